@@ -1,0 +1,5 @@
+import sys
+
+from gpuppetti.cli import main
+
+sys.exit(main())

@@ -1,0 +1,149 @@
+"""The ``gpuppetti`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpuppetti import __version__
+from gpuppetti.config import CONFIG_ENV, ConfigError
+from gpuppetti.deviceplugin.lifecycle import DEFAULT_DEVICE_PLUGIN_DIR, SocketDirError
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def _add_common(parser: argparse.ArgumentParser, default_level: str = "info") -> None:
+    parser.add_argument(
+        "--log-level", choices=LOG_LEVELS, default=os.environ.get("GPUPPETTI_LOG_LEVEL", default_level),
+        help=f"log verbosity (env GPUPPETTI_LOG_LEVEL; default {default_level})",
+    )
+
+
+def _add_config(parser: argparse.ArgumentParser, help_default: str) -> None:
+    parser.add_argument(
+        "--config", type=Path, default=_env_path(CONFIG_ENV), metavar="PATH",
+        help=f"YAML config file with 'version: v1' (env {CONFIG_ENV}; default: {help_default})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuppetti",
+        description="GPU sharing for Kubernetes that does not assume NVIDIA: finds a node's GPUs, slices them, "
+        "and offers the slices to the kubelet.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpuppetti {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plugin = commands.add_parser(
+        "plugin", help="serve GPUs to the kubelet as a device plugin (Device Plugin API v1beta1)",
+        description="Serve the node's GPUs, whole or time-sliced, to the kubelet through the Device Plugin API "
+        "v1beta1: one socket per extended resource, re-registered whenever the kubelet restarts. "
+        "SIGHUP reloads the config; SIGTERM or SIGINT removes the sockets and exits 0.",
+    )
+    _add_config(plugin, "built-in defaults: no sharing")
+    plugin.add_argument(
+        "--device-plugin-dir", type=Path, metavar="DIR",
+        default=_env_path("GPUPPETTI_DEVICE_PLUGIN_DIR") or DEFAULT_DEVICE_PLUGIN_DIR,
+        help=f"the kubelet's device plugin directory, holding kubelet.sock (env GPUPPETTI_DEVICE_PLUGIN_DIR; "
+        f"default {DEFAULT_DEVICE_PLUGIN_DIR})",
+    )
+    plugin.add_argument(
+        "--backend", choices=("auto", "simulated"), default=os.environ.get("GPUPPETTI_BACKEND"),
+        help="discovery backend, overriding the config's 'backend' (env GPUPPETTI_BACKEND; default auto)",
+    )
+    _add_common(plugin)
+
+    demo = commands.add_parser(
+        "demo", help="run the plugin on simulated GPUs against the built-in kubelet emulator",
+        description="Start the device plugin with simulated GPUs (by default two Apple M3 Max, 40 cores, "
+        "4 slices each) against the built-in kubelet emulator in a temporary directory, admit a handful of "
+        "pods, and print which pod got which slice and the env it would see. Needs no cluster, root or GPU.",
+    )
+    demo.add_argument(
+        "--config", type=Path, default=None, metavar="PATH",
+        help="YAML config with simulated GPUs (default: the built-in demo config)",
+    )
+    _add_common(demo, default_level="warning")
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"gpuppetti: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        if args.command == "plugin":
+            return _plugin(args)
+        if args.command == "demo":
+            return _demo(args)
+    except ConfigError as exc:
+        return _fail(f"config error:\n{exc}", EXIT_CONFIG)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    raise AssertionError(f"unhandled command {args.command}")  # pragma: no cover - argparse requires one
+
+
+def _plugin(args: argparse.Namespace) -> int:
+    from gpuppetti.deviceplugin.run import NoGpusError, PluginOptions, run_plugin
+
+    options = PluginOptions(args.config, args.device_plugin_dir, args.backend)
+    expected = (SocketDirError, NoGpusError)
+    try:
+        asyncio.run(run_plugin(options))
+    except expected as exc:
+        return _fail(str(exc), EXIT_FAILURE)
+    except ExceptionGroup as group:
+        # Raised from inside the plugin's task group; show the cause, not a traceback, when it is one we expect.
+        known = group.subgroup(expected)
+        if known is None:
+            raise
+        return _fail(str(_leaf(known)), EXIT_FAILURE)
+    return EXIT_OK
+
+
+def _leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from gpuppetti.demo import run_demo
+
+    console = Console()
+    if not console.is_terminal:
+        # Piped output has no width to follow; keep the tables whole instead of wrapping them at 80 columns.
+        console = Console(width=160)
+    return asyncio.run(run_demo(args.config, console))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The versioned YAML config (``version: v1``), validated strictly before anything starts.
+
+Every error names the file, the key path and what is wrong, so that a broken ConfigMap is fixed from one log line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from gpuppetti.quantity import parse_bytes
+
+CONFIG_ENV = "GPUPPETTI_CONFIG"
+SUPPORTED_VERSIONS = ("v1",)
+
+
+class ConfigError(Exception):
+    """A config that cannot be used. ``str()`` is the message to show the user."""
+
+    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        lines = [f"{source}: {path}: {what}" if path else f"{source}: {what}" for path, what in problems]
+        super().__init__("\n".join(lines))
+
+
+# The kubelet's rule for extended resources: a domain prefix that is not kubernetes.io, and no "requests." prefix.
+_RESOURCE_NAME = re.compile(
+    r"^(?P<domain>[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/"
+    r"(?P<name>[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)$"
+)
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why the kubelet would reject ``name`` as an extended resource name, or None if it is fine."""
+    match = _RESOURCE_NAME.match(name)
+    if not match:
+        return f"{name!r} is not an extended resource name of the form 'vendor.example.com/name'"
+    domain = match.group("domain")
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
+        return f"{name!r} uses the reserved kubernetes.io domain"
+    if name.startswith("requests."):
+        return f"{name!r} must not start with 'requests.'"
+    if len(match.group("name")) > 63:
+        return f"{name!r}: the part after '/' is longer than 63 characters"
+    return None
+
+
+def _check_resource_name(value: object) -> object:
+    if isinstance(value, str) and (problem := resource_name_problem(value)):
+        raise ValueError(problem)
+    return value
+
+
+ResourceName = Annotated[str, BeforeValidator(_check_resource_name)]
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+VendorName = Literal["apple", "nvidia", "amd", "intel", "virtio", "other"]
+HealthName = Literal["Healthy", "Unhealthy"]
+
+
+class _Strict(BaseModel):
+    # Strict types: YAML's `replicas: "4"` is a mistake worth reporting, not something to coerce.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, alias_generator=to_camel, populate_by_name=False
+    )
+
+
+class SimulatedGpu(_Strict):
+    model: str = Field(min_length=1)
+    vendor: VendorName = "other"
+    cores: int | None = Field(default=None, ge=1)
+    memory: Bytes | None = None
+    count: int = Field(default=1, ge=1, le=4096)
+    numa_node: int | None = Field(default=None, ge=0)
+    health: HealthName = "Healthy"
+
+
+class SimulatedSection(_Strict):
+    gpus: list[SimulatedGpu] = Field(default_factory=list)
+
+
+class ReplicatedResource(_Strict):
+    name: ResourceName
+    replicas: int = Field(ge=1, le=1024)
+    rename: ResourceName | None = None
+    # GPU indexes or ids. None means every GPU of the resource.
+    devices: list[str | int] | None = None
+
+    @model_validator(mode="after")
+    def _devices_not_empty(self) -> ReplicatedResource:
+        if self.devices is not None and not self.devices:
+            raise ValueError("devices: must list at least one GPU index or id when given")
+        return self
+
+
+class TimeSlicing(_Strict):
+    rename_by_default: bool = False
+    fail_requests_greater_than_one: bool = False
+    resources: list[ReplicatedResource] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_catch_all_per_name(self) -> TimeSlicing:
+        seen: set[str] = set()
+        for entry in self.resources:
+            if entry.devices is None:
+                if entry.name in seen:
+                    raise ValueError(
+                        f"resource {entry.name!r} is listed twice without 'devices'; give each entry "
+                        "its own 'devices' to set per-GPU replica counts"
+                    )
+                seen.add(entry.name)
+        return self
+
+
+class Sharing(_Strict):
+    time_slicing: TimeSlicing = Field(default_factory=TimeSlicing)
+
+
+class PluginSection(_Strict):
+    allocation_policy: Literal["distributed", "packed"] = "distributed"
+
+
+class Config(_Strict):
+    version: Literal["v1"]
+    backend: Literal["auto", "simulated"] = "auto"
+    simulated: SimulatedSection = Field(default_factory=SimulatedSection)
+    sharing: Sharing = Field(default_factory=Sharing)
+    plugin: PluginSection = Field(default_factory=PluginSection)
+
+    # Where the config came from, for error messages raised after loading (e.g. against discovered GPUs).
+    source: str = Field(default="<defaults>", exclude=True, alias="__source__")
+
+
+def default_config() -> Config:
+    return Config(version="v1")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which plain YAML silently resolves to the last one."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _key_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "int") or part.startswith(("function-", "literal[")):
+            # pydantic names the union branch it tried; the user only cares about the key.
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def _describe(error: Any) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    message = str(error["msg"])
+    message = message.removeprefix("Value error, ")
+    if kind not in ("value_error", "assertion_error"):
+        message = f"{message[0].lower()}{message[1:]} (got {error['input']!r})"
+    return message
+
+
+def parse_config(text: str, source: str) -> Config:
+    """Parse and validate config text. Raises ConfigError naming ``source``, the key path and the problem."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f"line {mark.line + 1}, column {mark.column + 1}: "
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(source, [("", f"{where}not valid YAML: {problem}")]) from exc
+    if data is None:
+        raise ConfigError(source, [("", "the file is empty; it needs at least 'version: v1'")])
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", f"expected a mapping at the top level, got {type(data).__name__}")])
+    if "version" in data and data["version"] not in SUPPORTED_VERSIONS:
+        supported = ", ".join(SUPPORTED_VERSIONS)
+        raise ConfigError(source, [("version", f"unsupported version {data['version']!r} (supported: {supported})")])
+    if "__source__" in data:
+        raise ConfigError(source, [("__source__", "unknown key")])
+    try:
+        return Config.model_validate({**data, "__source__": source})
+    except ValidationError as exc:
+        problems = [(_key_path(tuple(err["loc"])), _describe(err)) for err in exc.errors()]
+        raise ConfigError(source, problems) from None
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Load the config at ``path``, or the built-in defaults when no path is given."""
+    if path is None:
+        return default_config()
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, [("", f"cannot read the config file: {exc.strerror or exc}")]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(source, [("", f"the file is not UTF-8 text: {exc}")]) from exc
+    return parse_config(text, source)

@@ -1,0 +1,136 @@
+"""``gpuppetti demo``: the plugin with simulated GPUs against the built-in kubelet, in a temporary directory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from gpuppetti.config import Config, load_config, parse_config
+from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
+from gpuppetti.discovery import backends_for, discover
+from gpuppetti.inventory import Inventory
+from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
+from gpuppetti.quantity import format_bytes
+
+DEFAULT_DEMO_CONFIG = """\
+version: v1
+backend: simulated
+simulated:
+  gpus:
+    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, count: 2}
+sharing:
+  timeSlicing:
+    resources:
+      - name: apple.com/gpu
+        replicas: 4
+"""
+
+
+def demo_config(path: Path | None) -> Config:
+    if path is None:
+        return parse_config(DEFAULT_DEMO_CONFIG, "<built-in demo config>")
+    return load_config(path)
+
+
+def demo_pods(resource: str, capacity: int) -> list[Pod]:
+    """Single-slice pods, one pod that asks for two slices, and one pod too many, to show each outcome."""
+    short = resource.rsplit("/", 1)[-1].replace(".", "-")
+    sizes = [1] * max(capacity - 2, 0) + [2 if capacity >= 2 else 1] + [1]
+    return [Pod.simple(f"{short}-pod-{n + 1}", resource, size) for n, size in enumerate(sizes)]
+
+
+async def run_demo(config_path: Path | None, console: Console) -> int:
+    config = demo_config(config_path)
+    gpus = discover(backends_for(config, "simulated"))
+    if not gpus:
+        console.print(f"[red]the demo config {config.source} has no simulated GPUs[/red]")
+        return 2
+    inventory = Inventory(config, gpus)
+    workdir = Path(tempfile.mkdtemp(prefix="gpuppetti-demo-"))
+    stop = asyncio.Event()
+    try:
+        async with KubeletEmulator(workdir) as kubelet:
+            manager = DevicePluginManager(inventory, workdir)
+            plugin = asyncio.create_task(manager.run(stop), name="device-plugin")
+            try:
+                for resource in inventory.plan:
+                    await kubelet.wait_registered(resource)
+                console.print(f"[bold]gpuppetti demo[/bold]: device plugin registered with the built-in kubelet "
+                              f"in {workdir} ({config.source})\n")
+                console.print(_gpu_table(inventory))
+
+                outcomes: list[tuple[Pod, list[ContainerAllocation] | str]] = []
+                for resource, plan in inventory.plan.items():
+                    for pod in demo_pods(resource, len(plan.units)):
+                        try:
+                            outcomes.append((pod, await kubelet.admit(pod)))
+                        except AdmissionError as exc:
+                            outcomes.append((pod, str(exc)))
+                console.print(_slice_table(inventory, kubelet))
+                console.print(_pod_table(outcomes))
+
+                before = {r: kubelet.registrations(r) for r in inventory.plan}
+                started = time.monotonic()
+                await kubelet.restart()
+                for resource in inventory.plan:
+                    await kubelet.wait_registered(resource, count=before[resource] + 1)
+                elapsed_ms = (time.monotonic() - started) * 1000
+                console.print(f"kubelet restarted (every socket deleted): the plugin noticed through inotify and "
+                              f"re-registered in {elapsed_ms:.0f} ms; allocatable again: "
+                              + ", ".join(f"{r} = {kubelet.allocatable(r)}" for r in inventory.plan))
+            finally:
+                stop.set()
+                await plugin
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(workdir)
+    return 0
+
+
+def _gpu_table(inventory: Inventory) -> Table:
+    table = Table(title="GPUs", title_justify="left")
+    for column in ("GPU", "vendor", "model", "cores", "memory", "health", "resource", "slices"):
+        table.add_column(column)
+    per_gpu: dict[str, tuple[str, int]] = {}
+    for name, plan in inventory.plan.items():
+        for unit in plan.units:
+            per_gpu[unit.gpu_id] = (name, unit.replicas)
+    for gpu in inventory.gpus.values():
+        resource, replicas = per_gpu.get(gpu.id, ("-", 0))
+        table.add_row(gpu.id, gpu.vendor.value, gpu.model, str(gpu.cores or "-"), format_bytes(gpu.memory_bytes),
+                      str(gpu.health), resource, str(replicas))
+    return table
+
+
+def _slice_table(inventory: Inventory, kubelet: KubeletEmulator) -> Table:
+    table = Table(title="Slices, as the kubelet sees them", title_justify="left")
+    for column in ("slice", "GPU", "resource", "health", "pod"):
+        table.add_column(column)
+    for name, plan in inventory.plan.items():
+        endpoint = kubelet.endpoints.get(name)
+        for unit in plan.units:
+            health = endpoint.devices.get(unit.id, "?") if endpoint else "?"
+            table.add_row(unit.id, unit.gpu_id, name, health, kubelet.pod_of(name, unit.id) or "[dim]free[/dim]")
+    return table
+
+
+def _pod_table(outcomes: list[tuple[Pod, list[ContainerAllocation] | str]]) -> Table:
+    table = Table(title="Pods", title_justify="left")
+    for column in ("pod", "request", "result", "env in the container"):
+        table.add_column(column)
+    for pod, outcome in outcomes:
+        request = ", ".join(f"{r}: {n}" for c in pod.containers for r, n in c.requests.items())
+        if isinstance(outcome, str):
+            table.add_row(pod.name, request, "[red]not admitted[/red]", outcome.split(": ", 1)[-1])
+            continue
+        for allocation in outcome:
+            env = "\n".join(f"{k}={v}" for k, v in sorted(allocation.response.envs.items()))
+            table.add_row(pod.name, request, "[green]admitted[/green]", env)
+    return table

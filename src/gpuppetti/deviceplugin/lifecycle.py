@@ -1,0 +1,288 @@
+"""Serving, registering and re-registering device plugin sockets as the kubelet comes and goes.
+
+The kubelet deletes every socket in its device plugin directory when it starts, and never dials plugins
+itself: a plugin must notice and register again. Each resource has a supervisor task that compares what
+is true now (its socket exists and is its own; the kubelet it registered with is the current one) with what
+it last did, and repairs the difference. inotify events only wake the supervisors; they carry no state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
+from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from gpuppetti.deviceplugin.server import DevicePluginService
+from gpuppetti.inventory import Inventory
+from gpuppetti.watch import Change, watch_directory
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+KUBELET_SOCKET = "kubelet.sock"
+API_VERSION = "v1beta1"
+# The kubelet dials back and opens ListAndWatch inside Register, with a 10 s dial timeout of its own.
+REGISTER_TIMEOUT_S = 15.0
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 5.0
+STOP_GRACE_S = 0.2
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_SOCKET_PATH = 107
+OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
+class SocketDirError(Exception):
+    """The device plugin directory cannot hold our sockets."""
+
+
+def socket_name(resource: str) -> str:
+    return f"gpuppetti-{resource.replace('/', '_')}.sock"
+
+
+class Backoff:
+    def __init__(self, initial: float = BACKOFF_INITIAL_S, maximum: float = BACKOFF_MAX_S) -> None:
+        self._initial, self._maximum = initial, maximum
+        self._next = initial
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self._next * 2, self._maximum)
+        return delay
+
+    def reset(self) -> None:
+        self._next = self._initial
+
+
+class ResourceEndpoint:
+    """One grpc.aio server on one Unix socket, serving one resource."""
+
+    def __init__(self, inventory: Inventory, resource: str, directory: Path) -> None:
+        self.resource = resource
+        self.socket_name = socket_name(resource)
+        self.path = directory / self.socket_name
+        self._inventory = inventory
+        self._server: grpc.aio.Server | None = None
+        self._inode: int | None = None
+        # Bumped on every (re)start: a new socket needs a new registration.
+        self.serial = 0
+
+    def intact(self) -> bool:
+        """Whether our socket file is still there, and still the one our server bound."""
+        if self._server is None or self._inode is None:
+            return False
+        try:
+            st = self.path.lstat()
+        except FileNotFoundError:
+            return False
+        return stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode
+
+    async def restart(self) -> None:
+        await self.stop()
+        if len(str(self.path)) > MAX_SOCKET_PATH:
+            raise SocketDirError(
+                f"socket path {self.path} is {len(str(self.path))} bytes; Unix sockets allow {MAX_SOCKET_PATH}"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(self.path.lstat().st_mode):
+                self.path.unlink()
+        server = grpc.aio.server()
+        pb_grpc.add_DevicePluginServicer_to_server(DevicePluginService(self._inventory, self.resource), server)
+        try:
+            server.add_insecure_port(f"unix:{self.path}")
+        except RuntimeError as exc:
+            raise SocketDirError(f"cannot create socket {self.path}: {exc}") from exc
+        await server.start()
+        # Only the kubelet (root) has any business on this socket.
+        os.chmod(self.path, 0o600)
+        self._server = server
+        self._inode = self.path.lstat().st_ino
+        self.serial += 1
+        log.info("%s: serving on %s", self.resource, self.path)
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await server.stop(STOP_GRACE_S)
+        # Remove the socket only if it is still ours: a newer instance may own the name now.
+        with contextlib.suppress(FileNotFoundError):
+            if self.path.lstat().st_ino == self._inode:
+                self.path.unlink()
+        self._inode = None
+
+
+@dataclass
+class _Supervised:
+    endpoint: ResourceEndpoint
+    wake: asyncio.Event
+    task: asyncio.Task[None]
+    registered: bool = False
+
+
+class DevicePluginManager:
+    """Runs every resource's endpoint, and keeps each registered with the kubelet."""
+
+    def __init__(self, inventory: Inventory, directory: Path) -> None:
+        self._inventory = inventory
+        self.directory = directory
+        self.kubelet_socket = directory / KUBELET_SOCKET
+        self._kubelet_generation = 0
+        self._resources: dict[str, _Supervised] = {}
+        self.registrations = 0
+        self.restarts = 0
+
+    @property
+    def registered(self) -> dict[str, bool]:
+        return {name: sup.registered for name, sup in self._resources.items()}
+
+    def _check_directory(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SocketDirError(f"cannot create the device plugin directory {self.directory}: {exc.strerror}") from exc
+        if not self.directory.is_dir():
+            raise SocketDirError(f"{self.directory} is not a directory")
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise SocketDirError(
+                f"cannot create sockets in {self.directory}: {os.strerror(errno.EACCES)} "
+                "(the plugin needs write access to the kubelet's device plugin directory, usually as root)"
+            )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._check_directory()
+        async with asyncio.TaskGroup() as group:
+            watching = asyncio.Event()
+            watcher = group.create_task(self._watch(watching), name="device-plugin-socket-watch")
+            # Serve only once the watch is in place, so that no kubelet restart can slip by unseen.
+            await watching.wait()
+            reconciler = group.create_task(self._reconcile(group), name="device-plugin-reconcile")
+            await stop.wait()
+            watcher.cancel()
+            reconciler.cancel()
+            for supervised in self._resources.values():
+                supervised.task.cancel()
+        self._resources.clear()
+        log.info("device plugin stopped; sockets removed")
+
+    async def _reconcile(self, group: asyncio.TaskGroup) -> None:
+        while True:
+            seen = self._inventory.version
+            wanted = set(self._inventory.plan)
+            for name in sorted(wanted - self._resources.keys()):
+                endpoint = ResourceEndpoint(self._inventory, name, self.directory)
+                wake = asyncio.Event()
+                task = group.create_task(self._supervise(endpoint, wake), name=f"device-plugin {name}")
+                self._resources[name] = _Supervised(endpoint, wake, task)
+            for name in sorted(self._resources.keys() - wanted):
+                log.info("%s: no longer advertised; stopping its server", name)
+                supervised = self._resources.pop(name)
+                supervised.task.cancel()
+            await self._inventory.wait_for_change(seen)
+
+    async def _watch(self, watching: asyncio.Event) -> None:
+        while True:
+            async for event in watch_directory(self.directory):
+                if event.change is Change.READY:
+                    watching.set()
+                    continue
+                names = {sup.endpoint.socket_name: name for name, sup in self._resources.items()}
+                if event.change is Change.RESCAN or (
+                    event.change is Change.CREATED and event.name == KUBELET_SOCKET
+                ):
+                    # A new kubelet.sock means a new kubelet, which knows nothing of earlier registrations.
+                    self._kubelet_generation += 1
+                    if event.change is Change.CREATED:
+                        log.info("kubelet socket %s appeared; registering again", self.kubelet_socket)
+                    for sup in self._resources.values():
+                        sup.wake.set()
+                elif event.change is Change.DELETED and event.name in names:
+                    self._resources[names[event.name]].wake.set()
+            log.error("stopped watching %s (was it removed?); watching again in 1s", self.directory)
+            await asyncio.sleep(1.0)
+            with contextlib.suppress(OSError):
+                self.directory.mkdir(parents=True, exist_ok=True)
+            self._kubelet_generation += 1
+            for sup in self._resources.values():
+                sup.wake.set()
+
+    async def _supervise(self, endpoint: ResourceEndpoint, wake: asyncio.Event) -> None:
+        backoff = Backoff()
+        registered_for: tuple[int, int] | None = None
+        waiting_logged = False
+        name = endpoint.resource
+        try:
+            while True:
+                wake.clear()
+                if not endpoint.intact():
+                    if endpoint.serial:
+                        self.restarts += 1
+                        log.info("%s: socket %s is gone (kubelet restart?); serving it again",
+                                    name, endpoint.path)
+                    self._mark(name, False)
+                    await endpoint.restart()
+                want = (self._kubelet_generation, endpoint.serial)
+                if registered_for == want:
+                    await wake.wait()
+                    continue
+                self._mark(name, False)
+                if not self.kubelet_socket.exists():
+                    delay = backoff.next()
+                    if not waiting_logged or delay >= BACKOFF_MAX_S:
+                        log.warning("%s: waiting for the kubelet: %s does not exist yet "
+                                    "(registering as soon as it appears; re-checking in %.1fs)",
+                                    name, self.kubelet_socket, delay)
+                        waiting_logged = True
+                    await _wait(wake, delay)
+                    continue
+                try:
+                    await self._register(endpoint)
+                except grpc.aio.AioRpcError as exc:
+                    delay = backoff.next()
+                    log.warning("%s: Register with %s failed (%s: %s); retrying in %.1fs on a fresh connection",
+                                name, self.kubelet_socket, exc.code().name, exc.details(), delay)
+                    await _wait(wake, delay)
+                    continue
+                registered_for = want
+                waiting_logged = False
+                backoff.reset()
+                self.registrations += 1
+                self._mark(name, True)
+                log.info("%s: registered with the kubelet (endpoint %s)", name, endpoint.socket_name)
+        finally:
+            self._mark(name, False)
+            await endpoint.stop()
+
+    def _mark(self, name: str, registered: bool) -> None:
+        supervised = self._resources.get(name)
+        if supervised is not None:
+            supervised.registered = registered
+
+    async def _register(self, endpoint: ResourceEndpoint) -> None:
+        # A local subchannel pool forces a new connection: a half-dead one from a failed attempt is never reused.
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(f"unix:{self.kubelet_socket}", options=options) as channel:
+            stub = pb_grpc.RegistrationStub(channel)
+            await stub.Register(
+                pb.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=endpoint.socket_name,
+                    resource_name=endpoint.resource,
+                    options=OPTIONS,
+                ),
+                timeout=REGISTER_TIMEOUT_S,
+            )
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()

@@ -1,0 +1,117 @@
+"""The data every part of gpuppetti shares: GPUs, allocatable units and container edits."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Health(enum.StrEnum):
+    # The values are the kubelet's strings: it treats anything but "Healthy" as unhealthy.
+    HEALTHY = "Healthy"
+    UNHEALTHY = "Unhealthy"
+
+
+class Vendor(enum.StrEnum):
+    APPLE = "apple"
+    NVIDIA = "nvidia"
+    AMD = "amd"
+    INTEL = "intel"
+    VIRTIO = "virtio"
+    OTHER = "other"
+
+
+DEFAULT_RESOURCE_NAMES: dict[Vendor, str] = {
+    Vendor.APPLE: "apple.com/gpu",
+    Vendor.NVIDIA: "nvidia.com/gpu",
+    Vendor.AMD: "amd.com/gpu",
+    Vendor.INTEL: "gpu.intel.com/i915",
+}
+FALLBACK_RESOURCE_NAME = "gpuppetti.dev/gpu"
+
+
+def default_resource_name(vendor: Vendor) -> str:
+    return DEFAULT_RESOURCE_NAMES.get(vendor, FALLBACK_RESOURCE_NAME)
+
+
+@dataclass(frozen=True)
+class DeviceNode:
+    """A device node handed to a container. Paths are host paths, never prefixed by a host root."""
+
+    path: str
+    host_path: str | None = None
+    permissions: str = "rw"
+
+    @property
+    def source(self) -> str:
+        return self.host_path or self.path
+
+
+@dataclass(frozen=True)
+class Mount:
+    container_path: str
+    host_path: str
+    read_only: bool = True
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as a backend found it."""
+
+    id: str
+    index: int
+    vendor: Vendor
+    model: str
+    backend: str
+    cores: int | None = None
+    memory_bytes: int | None = None
+    device_nodes: tuple[DeviceNode, ...] = ()
+    numa_node: int | None = None
+    pci_address: str | None = None
+    health: Health = Health.HEALTHY
+    # Env vars that select this GPU for its vendor's runtime, merged per container by the edits module.
+    selector_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def resource_name(self) -> str:
+        return default_resource_name(self.vendor)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """An allocatable unit: a whole GPU, or one time-sliced replica of it.
+
+    The id is the GPU id for a whole GPU, and ``<gpu-id>::<n>`` for replica n, as the NVIDIA plugin names them,
+    so that tooling which strips the suffix keeps working.
+    """
+
+    id: str
+    gpu_id: str
+    resource: str
+    replicas: int
+    replica: int | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.replicas > 1
+
+
+def replica_unit_id(gpu_id: str, replica: int) -> str:
+    return f"{gpu_id}::{replica}"
+
+
+@dataclass
+class ContainerEdits:
+    """What a container needs to see its GPUs: rendered as an Allocate response, a CDI spec or podman flags."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    device_nodes: list[DeviceNode] = field(default_factory=list)
+    mounts: list[Mount] = field(default_factory=list)
+
+    def add_device_node(self, node: DeviceNode) -> None:
+        if node not in self.device_nodes:
+            self.device_nodes.append(node)
+
+    def add_mount(self, mount: Mount) -> None:
+        if mount not in self.mounts:
+            self.mounts.append(mount)

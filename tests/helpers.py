@@ -1,0 +1,88 @@
+"""Shared test helpers: configs, short socket directories, and the plugin as a real subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+from gpuppetti.config import Config, parse_config
+
+TWO_M3_MAX = """\
+version: v1
+backend: simulated
+simulated:
+  gpus:
+    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, count: 2, numaNode: 0}
+sharing:
+  timeSlicing:
+    resources:
+      - name: apple.com/gpu
+        replicas: 4
+"""
+
+
+def config_from(text: str, source: str = "test.yaml") -> Config:
+    return parse_config(textwrap.dedent(text), source)
+
+
+def short_tmpdir(prefix: str = "gp-") -> Path:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can come close.
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+class PluginProcess:
+    """``gpuppetti plugin`` started as its own process, with its log kept in a file."""
+
+    def __init__(self, config_text: str | None, directory: Path, *extra: str) -> None:
+        self.directory = directory
+        self.config_path: Path | None = None
+        if config_text is not None:
+            self.config_path = directory.parent / f"{directory.name}-config.yaml"
+            self.config_path.write_text(textwrap.dedent(config_text))
+        self.log_path = directory.parent / f"{directory.name}-plugin.log"
+        args = [sys.executable, "-m", "gpuppetti", "plugin", "--device-plugin-dir", str(directory),
+                "--log-level", "debug", *extra]
+        if self.config_path is not None:
+            args += ["--config", str(self.config_path)]
+        self._log = self.log_path.open("wb")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def write_config(self, text: str) -> None:
+        assert self.config_path is not None
+        self.config_path.write_text(textwrap.dedent(text))
+
+    def send(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    async def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while text not in self.log():
+                if self.process.poll() is not None:
+                    raise AssertionError(f"plugin exited ({self.process.returncode}) before logging {text!r}:\n"
+                                         f"{self.log()}")
+                await asyncio.sleep(0.02)
+
+    async def stop(self, signum: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        async with asyncio.timeout(timeout):
+            while self.process.poll() is None:
+                await asyncio.sleep(0.02)
+        self._log.close()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()

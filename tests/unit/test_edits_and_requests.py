@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpuppetti.deviceplugin.server import RequestError, device_list, edits_to_response, resolve_request
+from gpuppetti.discovery.simulated import SimulatedBackend
+from gpuppetti.edits import container_edits
+from gpuppetti.inventory import Inventory
+from gpuppetti.model import DeviceNode, Health
+from tests.helpers import TWO_M3_MAX, config_from
+
+
+def _inventory(text: str = TWO_M3_MAX) -> Inventory:
+    config = config_from(text)
+    return Inventory(config, SimulatedBackend(config.simulated).discover())
+
+
+def test_env_lists_each_gpu_once_in_request_order() -> None:
+    inventory = _inventory()
+    plan = inventory.plan["apple.com/gpu"]
+    units = [plan.by_id[i] for i in ("sim-apple-1::2", "sim-apple-0::0", "sim-apple-1::3")]
+    edits = container_edits(units, inventory.gpus)
+    assert edits.env == {
+        "GPUPPETTI_VISIBLE_DEVICES": "sim-apple-1,sim-apple-0",
+        "GPUPPETTI_SLICES": "sim-apple-1::2,sim-apple-0::0,sim-apple-1::3",
+        "GPUPPETTI_SHARING": "time-slicing",
+        "GPUPPETTI_REPLICAS": "4,4",
+    }
+    assert edits.device_nodes == []
+
+
+def test_device_nodes_render_into_the_allocate_response() -> None:
+    inventory = _inventory()
+    edits = container_edits([inventory.plan["apple.com/gpu"].units[0]], inventory.gpus)
+    edits.add_device_node(DeviceNode("/dev/dri/renderD128"))
+    edits.add_device_node(DeviceNode("/dev/dri/renderD128"))
+    response = edits_to_response(edits)
+    assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
+        ("/dev/dri/renderD128", "/dev/dri/renderD128", "rw")
+    ]
+
+
+def test_resolve_request_names_every_offending_id() -> None:
+    inventory = _inventory()
+    with pytest.raises(RequestError, match="unknown device ids 'a', 'b'"):
+        resolve_request(inventory, "apple.com/gpu", ["a", "sim-apple-0::0", "b"])
+    with pytest.raises(RequestError, match="names no device ids"):
+        resolve_request(inventory, "apple.com/gpu", [])
+    with pytest.raises(RequestError, match="no longer advertises"):
+        resolve_request(inventory, "nvidia.com/gpu", ["x"])
+
+
+async def test_health_changes_bump_the_version_and_the_list() -> None:
+    inventory = _inventory()
+    plan = inventory.plan["apple.com/gpu"]
+    assert {d.health for d in device_list(inventory, plan).devices} == {"Healthy"}
+    waiter = asyncio.create_task(inventory.wait_for_change(inventory.version))
+    assert await inventory.set_health("sim-apple-1", Health.UNHEALTHY, "test")
+    assert await asyncio.wait_for(waiter, 1) == 1
+    assert not await inventory.set_health("sim-apple-1", Health.UNHEALTHY)
+    listed = {d.ID: d.health for d in device_list(inventory, plan).devices}
+    assert listed["sim-apple-0::0"] == "Healthy" and listed["sim-apple-1::0"] == "Unhealthy"
+    with pytest.raises(RequestError, match="unhealthy device ids 'sim-apple-1::1'"):
+        resolve_request(inventory, "apple.com/gpu", ["sim-apple-0::1", "sim-apple-1::1"])
+
+
+def test_topology_only_when_numa_is_known() -> None:
+    without = _inventory(TWO_M3_MAX.replace(", numaNode: 0", ""))
+    devices = device_list(without, without.plan["apple.com/gpu"]).devices
+    assert not any(d.HasField("topology") for d in devices)
+    with_numa = _inventory()
+    assert all([n.ID for n in d.topology.nodes] == [0]
+               for d in device_list(with_numa, with_numa.plan["apple.com/gpu"]).devices)
