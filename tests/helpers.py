@@ -39,7 +39,9 @@ def short_tmpdir(prefix: str = "gp-") -> Path:
 class PluginProcess:
     """``gpuppetti plugin`` started as its own process, with its log kept in a file."""
 
-    def __init__(self, config_text: str | None, directory: Path, *extra: str) -> None:
+    def __init__(
+        self, config_text: str | None, directory: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.directory = directory
         self.config_path: Path | None = None
         if config_text is not None:
@@ -51,8 +53,9 @@ class PluginProcess:
         if self.config_path is not None:
             args += ["--config", str(self.config_path)]
         self._log = self.log_path.open("wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
+        environment.update(env or {})
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=environment)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -86,3 +89,12 @@ class PluginProcess:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+FAKES = Path(__file__).resolve().parent / "fakes"
+
+
+def fake_nvml_env(state_file: Path) -> dict[str, str]:
+    """Env that makes a subprocess import tests/fakes/pynvml.py as nvidia-ml-py."""
+    return {"PYTHONPATH": os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]),
+            "FAKE_NVML_STATE": str(state_file)}

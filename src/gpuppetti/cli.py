@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpuppetti import __version__
-from gpuppetti.config import CONFIG_ENV, ConfigError
+from gpuppetti.config import BACKENDS, CONFIG_ENV, ConfigError
 from gpuppetti.deviceplugin.lifecycle import DEFAULT_DEVICE_PLUGIN_DIR, SocketDirError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -39,6 +44,19 @@ def _add_config(parser: argparse.ArgumentParser, help_default: str) -> None:
     )
 
 
+def _add_discovery(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=os.environ.get("GPUPPETTI_BACKEND"),
+        help="discovery backend, overriding the config's 'backend'; auto runs every backend that can run here "
+        "(env GPUPPETTI_BACKEND; default: the config's, else auto)",
+    )
+    parser.add_argument(
+        "--host-root", type=Path, default=_env_path("GPUPPETTI_HOST_ROOT") or Path("/"), metavar="DIR",
+        help="where the host's /sys, /dev and /proc are mounted, e.g. /host in a DaemonSet "
+        "(env GPUPPETTI_HOST_ROOT; default /)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuppetti",
@@ -61,11 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the kubelet's device plugin directory, holding kubelet.sock (env GPUPPETTI_DEVICE_PLUGIN_DIR; "
         f"default {DEFAULT_DEVICE_PLUGIN_DIR})",
     )
-    plugin.add_argument(
-        "--backend", choices=("auto", "simulated"), default=os.environ.get("GPUPPETTI_BACKEND"),
-        help="discovery backend, overriding the config's 'backend' (env GPUPPETTI_BACKEND; default auto)",
-    )
+    _add_discovery(plugin)
     _add_common(plugin)
+
+    discover = commands.add_parser(
+        "discover", help="show the GPUs this node has, as the plugin would serve them",
+        description="Run the discovery backends and print what they found: vendor, model, cores, memory, device "
+        "nodes, NUMA node, health and backend, and the resource each GPU would be advertised under. Exits 1 when "
+        "nothing is found, saying what was looked at.",
+    )
+    _add_config(discover, "built-in defaults")
+    _add_discovery(discover)
+    discover.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    _add_common(discover, default_level="warning")
 
     demo = commands.add_parser(
         "demo", help="run the plugin on simulated GPUs against the built-in kubelet emulator",
@@ -102,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plugin(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "discover":
+            return _discover(args)
     except ConfigError as exc:
         return _fail(f"config error:\n{exc}", EXIT_CONFIG)
     except KeyboardInterrupt:
@@ -111,9 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plugin(args: argparse.Namespace) -> int:
     from gpuppetti.deviceplugin.run import NoGpusError, PluginOptions, run_plugin
+    from gpuppetti.discovery import BackendUnavailable
 
-    options = PluginOptions(args.config, args.device_plugin_dir, args.backend)
-    expected = (SocketDirError, NoGpusError)
+    options = PluginOptions(args.config, args.device_plugin_dir, args.backend, args.host_root)
+    expected = (SocketDirError, NoGpusError, BackendUnavailable)
     try:
         asyncio.run(run_plugin(options))
     except expected as exc:
@@ -133,16 +162,40 @@ def _leaf(error: BaseException) -> BaseException:
     return error
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _console() -> Console:
     from rich.console import Console
-
-    from gpuppetti.demo import run_demo
 
     console = Console()
     if not console.is_terminal:
         # Piped output has no width to follow; keep the tables whole instead of wrapping them at 80 columns.
         console = Console(width=160)
-    return asyncio.run(run_demo(args.config, console))
+    return console
+
+
+def _discover(args: argparse.Namespace) -> int:
+    from gpuppetti.deviceplugin.run import load_and_discover, nothing_found
+    from gpuppetti.discovery import BackendUnavailable
+    from gpuppetti.inventory import Inventory
+    from gpuppetti.report import gpu_records, gpu_table
+
+    try:
+        found = load_and_discover(args.config, args.backend, args.host_root)
+    except BackendUnavailable as exc:
+        return _fail(str(exc), EXIT_FAILURE)
+    if not found.gpus:
+        return _fail(nothing_found(found), EXIT_FAILURE)
+    inventory = Inventory(found.config, found.gpus)
+    if args.json:
+        print(json.dumps(gpu_records(inventory), indent=2))
+    else:
+        _console().print(gpu_table(inventory))
+    return EXIT_OK
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from gpuppetti.demo import run_demo
+
+    return asyncio.run(run_demo(args.config, _console()))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from gpuppetti.quantity import parse_bytes
+from gpuppetti.quantity import parse_bytes, parse_duration
 
 CONFIG_ENV = "GPUPPETTI_CONFIG"
 SUPPORTED_VERSIONS = ("v1",)
@@ -61,6 +61,11 @@ def _check_resource_name(value: object) -> object:
 
 ResourceName = Annotated[str, BeforeValidator(_check_resource_name)]
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+BACKENDS = ("auto", "simulated", "drm", "nvml", "macos")
+BackendName = Literal["auto", "simulated", "drm", "nvml", "macos"]
+# NVIDIA's list of XIDs caused by applications rather than the GPU (its health monitor ignores them too).
+APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)
 VendorName = Literal["apple", "nvidia", "amd", "intel", "virtio", "other"]
 HealthName = Literal["Healthy", "Unhealthy"]
 
@@ -84,6 +89,24 @@ class SimulatedGpu(_Strict):
 
 class SimulatedSection(_Strict):
     gpus: list[SimulatedGpu] = Field(default_factory=list)
+
+
+class VirtioSection(_Strict):
+    """What a virtio-gpu really is. Inside a krunkit/libkrun VM it is the host's Apple GPU, seen through Venus."""
+
+    vendor: Literal["apple", "virtio"] = "virtio"
+    model: str | None = Field(default=None, min_length=1)
+    cores: int | None = Field(default=None, ge=1)
+    memory: Bytes | None = None
+    # "vid:did" for MESA_VK_DEVICE_SELECT, as `MESA_VK_DEVICE_SELECT=list vulkaninfo` prints it in the guest.
+    vulkan_device: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}$")
+
+
+class HealthSection(_Strict):
+    poll_interval: Seconds = Field(default=5.0, gt=0)
+    ignored_xids: list[int] = Field(default_factory=lambda: list(APPLICATION_XIDS))
+    # A GPU marked unhealthy by an XID is healthy again after this long without another one; 0 never recovers.
+    recovery_period: Seconds = Field(default=60.0, ge=0)
 
 
 class ReplicatedResource(_Strict):
@@ -129,8 +152,10 @@ class PluginSection(_Strict):
 
 class Config(_Strict):
     version: Literal["v1"]
-    backend: Literal["auto", "simulated"] = "auto"
+    backend: BackendName = "auto"
     simulated: SimulatedSection = Field(default_factory=SimulatedSection)
+    virtio: VirtioSection = Field(default_factory=VirtioSection)
+    health: HealthSection = Field(default_factory=HealthSection)
     sharing: Sharing = Field(default_factory=Sharing)
     plugin: PluginSection = Field(default_factory=PluginSection)
 

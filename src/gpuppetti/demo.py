@@ -17,7 +17,7 @@ from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import backends_for, discover
 from gpuppetti.inventory import Inventory
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
-from gpuppetti.quantity import format_bytes
+from gpuppetti.report import gpu_table
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1
@@ -64,7 +64,7 @@ async def run_demo(config_path: Path | None, console: Console) -> int:
                     await kubelet.wait_registered(resource)
                 console.print(f"[bold]gpuppetti demo[/bold]: device plugin registered with the built-in kubelet "
                               f"in {workdir} ({config.source})\n")
-                console.print(_gpu_table(inventory))
+                console.print(gpu_table(inventory))
 
                 outcomes: list[tuple[Pod, list[ContainerAllocation] | str]] = []
                 for resource, plan in inventory.plan.items():
@@ -92,21 +92,6 @@ async def run_demo(config_path: Path | None, console: Console) -> int:
         with contextlib.suppress(OSError):
             shutil.rmtree(workdir)
     return 0
-
-
-def _gpu_table(inventory: Inventory) -> Table:
-    table = Table(title="GPUs", title_justify="left")
-    for column in ("GPU", "vendor", "model", "cores", "memory", "health", "resource", "slices"):
-        table.add_column(column)
-    per_gpu: dict[str, tuple[str, int]] = {}
-    for name, plan in inventory.plan.items():
-        for unit in plan.units:
-            per_gpu[unit.gpu_id] = (name, unit.replicas)
-    for gpu in inventory.gpus.values():
-        resource, replicas = per_gpu.get(gpu.id, ("-", 0))
-        table.add_row(gpu.id, gpu.vendor.value, gpu.model, str(gpu.cores or "-"), format_bytes(gpu.memory_bytes),
-                      str(gpu.health), resource, str(replicas))
-    return table
 
 
 def _slice_table(inventory: Inventory, kubelet: KubeletEmulator) -> Table:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 
@@ -69,12 +70,28 @@ class Gpu:
     numa_node: int | None = None
     pci_address: str | None = None
     health: Health = Health.HEALTHY
-    # Env vars that select this GPU for its vendor's runtime, merged per container by the edits module.
-    selector_env: tuple[tuple[str, str], ...] = ()
+    uuid: str | None = None
+    driver: str | None = None
+    # PCI vendor and device ids as 4 hex digits, for Vulkan device selection.
+    pci_ids: tuple[str, str] | None = None
+    metal_family: str | None = None
+    # Live telemetry: not part of the GPU's identity, so a change in it wakes no consumer.
+    utilization_percent: int | None = field(default=None, compare=False)
+    memory_used_bytes: int | None = field(default=None, compare=False)
 
     @property
     def resource_name(self) -> str:
         return default_resource_name(self.vendor)
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """A backend's word that a GPU became healthy or unhealthy, and why."""
+
+    gpu_id: str
+    health: Health
+    reason: str
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)

@@ -58,3 +58,20 @@ def format_bytes(value: int | None) -> str:
             text = f"{amount:.1f}".removesuffix(".0")
             return f"{text} {suffix}"
     return f"{value} B"
+
+
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: object) -> float:
+    """Parse seconds (a number) or a duration such as "500ms", "5s", "2m". Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as 5s, got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"must not be negative, got {value}")
+        return float(value)
+    if isinstance(value, str) and (match := _DURATION.match(value)):
+        return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    raise ValueError(f"expected a duration such as 500ms, 5s or 2m (or a number of seconds), got {value!r}")

@@ -29,8 +29,8 @@ async def kubelet(plugin_dir: Path) -> AsyncIterator[KubeletEmulator]:
 def start_plugin(plugin_dir: Path) -> Iterator[Callable[..., PluginProcess]]:
     started: list[PluginProcess] = []
 
-    def start(config_text: str | None, *extra: str) -> PluginProcess:
-        process = PluginProcess(config_text, plugin_dir, *extra)
+    def start(config_text: str | None, *extra: str, env: dict[str, str] | None = None) -> PluginProcess:
+        process = PluginProcess(config_text, plugin_dir, *extra, env=env)
         started.append(process)
         return process
 

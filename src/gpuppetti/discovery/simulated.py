@@ -15,6 +15,9 @@ class SimulatedBackend:
     def available(self) -> bool:
         return True
 
+    def looked_at(self) -> str:
+        return "simulated: the config lists no simulated.gpus"
+
     def discover(self) -> list[Gpu]:
         gpus: list[Gpu] = []
         per_vendor: dict[Vendor, int] = {}
@@ -37,3 +40,4 @@ class SimulatedBackend:
                     )
                 )
         return gpus
+
