@@ -36,26 +36,22 @@ def short_tmpdir(prefix: str = "gp-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
-class PluginProcess:
-    """``gpuppetti plugin`` started as its own process, with its log kept in a file."""
+class DaemonProcess:
+    """A long-running ``gpuppetti`` command started as its own process, with its log kept in a file."""
 
-    def __init__(
-        self, config_text: str | None, directory: Path, *extra: str, env: dict[str, str] | None = None
-    ) -> None:
-        self.directory = directory
+    def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str,
+                 env: dict[str, str] | None = None) -> None:
         self.config_path: Path | None = None
         if config_text is not None:
-            self.config_path = directory.parent / f"{directory.name}-config.yaml"
+            self.config_path = workdir / f"{name}-config.yaml"
             self.config_path.write_text(textwrap.dedent(config_text))
-        self.log_path = directory.parent / f"{directory.name}-plugin.log"
-        args = [sys.executable, "-m", "gpuppetti", "plugin", "--device-plugin-dir", str(directory),
-                "--log-level", "debug", *extra]
-        if self.config_path is not None:
-            args += ["--config", str(self.config_path)]
-        self._log = self.log_path.open("wb")
+            args = [*args, "--config", str(self.config_path)]
+        self.log_path = workdir / f"{name}.log"
+        self._log = self.log_path.open("ab")
         environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
         environment.update(env or {})
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=environment)
+        self.process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *args, "--log-level", "debug"],
+                                        stdout=self._log, stderr=subprocess.STDOUT, env=environment)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -75,6 +71,14 @@ class PluginProcess:
                                          f"{self.log()}")
                 await asyncio.sleep(0.02)
 
+    async def wait(self, timeout: float = 30.0) -> int:
+        """Wait for the process to exit by itself."""
+        async with asyncio.timeout(timeout):
+            while self.process.poll() is None:
+                await asyncio.sleep(0.02)
+        self._log.close()
+        return self.process.returncode
+
     async def stop(self, signum: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signum)
@@ -89,6 +93,17 @@ class PluginProcess:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+class PluginProcess(DaemonProcess):
+    """``gpuppetti plugin`` serving the device plugin directory ``directory``."""
+
+    def __init__(
+        self, config_text: str | None, directory: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.directory = directory
+        super().__init__(["plugin", "--device-plugin-dir", str(directory), *extra], config_text, directory.parent,
+                         f"{directory.name}-plugin", env)
 
 
 FAKES = Path(__file__).resolve().parent / "fakes"

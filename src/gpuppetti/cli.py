@@ -8,16 +8,19 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpuppetti import __version__
 from gpuppetti.config import BACKENDS, CONFIG_ENV, ConfigError
 from gpuppetti.deviceplugin.lifecycle import DEFAULT_DEVICE_PLUGIN_DIR, SocketDirError
+from gpuppetti.dra.paths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from gpuppetti.daemon import Sources
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -93,6 +96,28 @@ def build_parser() -> argparse.ArgumentParser:
     discover.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     _add_common(discover, default_level="warning")
 
+    dra = commands.add_parser(
+        "dra", help="serve GPUs through Dynamic Resource Allocation (resource.k8s.io/v1, kubelet DRA v1/v1beta1)",
+        description="Publish the node's GPUs as ResourceSlices (whole, as partitions, or as consumable capacity, "
+        "per the config's dra section), register with the kubelet's plugin watcher, and prepare claims by "
+        "writing one CDI spec per claim. Prepared claims survive restarts in a checkpoint. SIGHUP reloads the "
+        "config; SIGTERM or SIGINT unregisters and exits 0.",
+    )
+    _add_config(dra, "built-in defaults: whole GPUs")
+    dra.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), metavar="NAME",
+                     help="this node's name, which is also the pool name (env NODE_NAME; required)")
+    dra.add_argument("--registry-dir", type=Path, default=DEFAULT_REGISTRY_DIR, metavar="DIR",
+                     help=f"the kubelet's plugin registry directory (default {DEFAULT_REGISTRY_DIR})")
+    dra.add_argument("--plugins-dir", type=Path, default=DEFAULT_PLUGINS_DIR, metavar="DIR",
+                     help=f"where the driver's socket and checkpoint go, under <driver>/ "
+                     f"(default {DEFAULT_PLUGINS_DIR})")
+    dra.add_argument("--cdi-dir", type=Path, default=DEFAULT_CDI_DIR, metavar="DIR",
+                     help=f"where CDI specs are written (default {DEFAULT_CDI_DIR})")
+    dra.add_argument("--kubeconfig", type=Path, default=_env_path("KUBECONFIG"), metavar="PATH",
+                     help="kubeconfig for the API server (env KUBECONFIG; default: the in-cluster service account)")
+    _add_discovery(dra)
+    _add_common(dra)
+
     demo = commands.add_parser(
         "demo", help="run the plugin on simulated GPUs against the built-in kubelet emulator",
         description="Start the device plugin with simulated GPUs (by default two Apple M3 Max, 40 cores, "
@@ -130,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "discover":
             return _discover(args)
+        if args.command == "dra":
+            return _dra(args)
     except ConfigError as exc:
         return _fail(f"config error:\n{exc}", EXIT_CONFIG)
     except KeyboardInterrupt:
@@ -138,13 +165,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plugin(args: argparse.Namespace) -> int:
-    from gpuppetti.deviceplugin.run import NoGpusError, PluginOptions, run_plugin
-    from gpuppetti.discovery import BackendUnavailable
+    from gpuppetti.deviceplugin.run import run_plugin
 
-    options = PluginOptions(args.config, args.device_plugin_dir, args.backend, args.host_root)
-    expected = (SocketDirError, NoGpusError, BackendUnavailable)
+    return _run_daemon(run_plugin(_sources(args), args.device_plugin_dir))
+
+
+def _dra(args: argparse.Namespace) -> int:
+    from gpuppetti.dra.run import DraOptions, run_dra
+
+    options = DraOptions(args.node_name, args.registry_dir, args.plugins_dir, args.cdi_dir, args.kubeconfig)
+    return _run_daemon(run_dra(_sources(args), options))
+
+
+def _sources(args: argparse.Namespace) -> Sources:
+    from gpuppetti.daemon import Sources
+
+    return Sources(args.config, args.backend, args.host_root)
+
+
+def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
+    """Run a long-running command; a failure we expect becomes one clear line, not a traceback."""
+    from gpuppetti.daemon import NoGpusError
+    from gpuppetti.discovery import BackendUnavailable
+    from gpuppetti.dra.run import DraStartupError
+
+    expected = (SocketDirError, NoGpusError, BackendUnavailable, DraStartupError)
     try:
-        asyncio.run(run_plugin(options))
+        asyncio.run(main)
     except expected as exc:
         return _fail(str(exc), EXIT_FAILURE)
     except ExceptionGroup as group:
@@ -173,13 +220,13 @@ def _console() -> Console:
 
 
 def _discover(args: argparse.Namespace) -> int:
-    from gpuppetti.deviceplugin.run import load_and_discover, nothing_found
+    from gpuppetti.daemon import load_and_discover, nothing_found
     from gpuppetti.discovery import BackendUnavailable
     from gpuppetti.inventory import Inventory
     from gpuppetti.report import gpu_records, gpu_table
 
     try:
-        found = load_and_discover(args.config, args.backend, args.host_root)
+        found = load_and_discover(_sources(args))
     except BackendUnavailable as exc:
         return _fail(str(exc), EXIT_FAILURE)
     if not found.gpus:

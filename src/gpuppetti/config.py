@@ -146,6 +146,27 @@ class Sharing(_Strict):
     time_slicing: TimeSlicing = Field(default_factory=TimeSlicing)
 
 
+PartitionCount = Literal[2, 4, 8, 10, 20, 25, 40, 50]
+
+
+def _default_partitions() -> list[PartitionCount]:
+    return [2, 4, 8]
+
+
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class DraSection(_Strict):
+    driver_name: str = Field(default="gpu.gpuppetti.dev", max_length=63, pattern=DNS_SUBDOMAIN)
+    # whole: one device per GPU. partitions: per-GPU counters, and partition devices that consume them.
+    # consumable: one device per GPU that many claims share, each taking part of its capacity.
+    slicing: Literal["whole", "partitions", "consumable"] = "whole"
+    # Each count must divide 1000, so that every partition's share is a whole number of milli-units.
+    partitions: list[PartitionCount] = Field(default_factory=_default_partitions)
+    # consumable: a claim that asks for no capacity gets 1/shares of each.
+    shares: int = Field(default=4, ge=1, le=1000)
+
+
 class PluginSection(_Strict):
     allocation_policy: Literal["distributed", "packed"] = "distributed"
 
@@ -158,6 +179,7 @@ class Config(_Strict):
     health: HealthSection = Field(default_factory=HealthSection)
     sharing: Sharing = Field(default_factory=Sharing)
     plugin: PluginSection = Field(default_factory=PluginSection)
+    dra: DraSection = Field(default_factory=DraSection)
 
     # Where the config came from, for error messages raised after loading (e.g. against discovered GPUs).
     source: str = Field(default="<defaults>", exclude=True, alias="__source__")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+from fractions import Fraction
 
 _SUFFIXES: dict[str, int] = {
     "": 1,
@@ -23,28 +24,49 @@ _SUFFIXES: dict[str, int] = {
 _QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
+def parse_quantity(text: str) -> Fraction:
+    """A Kubernetes quantity ("48Gi", "500m", "2.5") as an exact number. Raises ValueError."""
+    match = _QUANTITY.match(text)
+    suffix = match.group(2) if match else None
+    if match is None or (suffix not in _SUFFIXES and suffix != "m"):
+        allowed = ", ".join(s for s in _SUFFIXES if s)
+        raise ValueError(f"expected a quantity such as 48Gi (suffixes: m, {allowed}), got {text!r}")
+    number = Fraction(Decimal(match.group(1)))
+    return number / 1000 if suffix == "m" else number * _SUFFIXES[suffix or ""]
+
+
+def format_quantity(value: Fraction, binary: bool = False) -> str:
+    """A non-negative exact number as a Kubernetes quantity: whole numbers plainly (with the largest binary suffix
+    that divides them when ``binary``), else in milli-units."""
+    if value.denominator == 1:
+        if binary and value.numerator:
+            for suffix in ("Ti", "Gi", "Mi", "Ki"):
+                factor = _SUFFIXES[suffix]
+                if value.numerator % factor == 0:
+                    return f"{value.numerator // factor}{suffix}"
+        return str(value.numerator)
+    millis = value * 1000
+    if millis.denominator == 1:
+        return f"{millis.numerator}m"
+    return str(Decimal(value.numerator) / Decimal(value.denominator))
+
+
 def parse_bytes(value: object) -> int:
     """Parse a byte quantity. Raises ValueError with a message fit for a config error."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"expected a byte quantity such as 48Gi, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"must not be negative, got {value}")
         return value
-    if not isinstance(value, str):
-        raise ValueError(f"expected a byte quantity such as 48Gi, got {value!r}")
-    match = _QUANTITY.match(value)
-    if not match or match.group(2) not in _SUFFIXES:
-        allowed = ", ".join(s for s in _SUFFIXES if s)
-        raise ValueError(f"expected a byte quantity such as 48Gi (suffixes: {allowed}), got {value!r}")
     try:
-        number = Decimal(match.group(1))
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
-        raise ValueError(f"not a number: {value!r}") from exc
-    total = number * _SUFFIXES[match.group(2)]
-    if total != total.to_integral_value():
+        total = parse_quantity(value)
+    except ValueError:
+        allowed = ", ".join(s for s in _SUFFIXES if s)
+        raise ValueError(f"expected a byte quantity such as 48Gi (suffixes: {allowed}), got {value!r}") from None
+    if total.denominator != 1:
         raise ValueError(f"must be a whole number of bytes, got {value!r}")
-    return int(total)
+    return total.numerator
 
 
 def format_bytes(value: int | None) -> str:

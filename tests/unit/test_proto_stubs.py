@@ -92,3 +92,69 @@ def test_services_and_paths() -> None:
     }
     list_and_watch = pb.DESCRIPTOR.services_by_name["DevicePlugin"].methods_by_name["ListAndWatch"]
     assert list_and_watch.server_streaming is True
+
+
+from gpuppetti._proto.dra.v1 import api_pb2 as dra_v1  # noqa: E402
+from gpuppetti._proto.dra.v1beta1 import api_pb2 as dra_v1beta1  # noqa: E402
+from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as dra_health  # noqa: E402
+from gpuppetti._proto.pluginregistration.v1 import api_pb2 as registration  # noqa: E402
+
+DRA_FIELDS = [
+    ("NodePrepareResourcesRequest", "claims", 1, True),
+    ("NodePrepareResourcesResponse", "claims", 1, True),
+    ("NodePrepareResourceResponse", "devices", 1, True),
+    ("NodePrepareResourceResponse", "error", 2, False),
+    ("Device", "request_names", 1, True),
+    ("Device", "pool_name", 2, False),
+    ("Device", "device_name", 3, False),
+    ("Device", "cdi_device_ids", 4, True),
+    ("NodeUnprepareResourcesRequest", "claims", 1, True),
+    ("NodeUnprepareResourcesResponse", "claims", 1, True),
+    ("NodeUnprepareResourceResponse", "error", 1, False),
+    ("Claim", "namespace", 1, False),
+    ("Claim", "uid", 2, False),
+    ("Claim", "name", 3, False),
+]
+
+
+@pytest.mark.parametrize("module", [dra_v1, dra_v1beta1], ids=["v1", "v1beta1"])
+@pytest.mark.parametrize(("message", "name", "number", "repeated"), DRA_FIELDS)
+def test_dra_field_numbers(module: object, message: str, name: str, number: int, repeated: bool) -> None:
+    field = module.DESCRIPTOR.message_types_by_name[message].fields_by_name[name]  # type: ignore[attr-defined]
+    assert (field.number, field.is_repeated) == (number, repeated)
+
+
+def test_dra_versions_differ_only_in_share_id() -> None:
+    v1_device = dra_v1.DESCRIPTOR.message_types_by_name["Device"]
+    share = v1_device.fields_by_name["share_id"]
+    assert share.number == 5 and share.has_presence
+    assert "share_id" not in dra_v1beta1.DESCRIPTOR.message_types_by_name["Device"].fields_by_name
+    assert dra_v1.DESCRIPTOR.package == "k8s.io.kubelet.pkg.apis.dra.v1"
+    assert dra_v1beta1.DESCRIPTOR.package == "k8s.io.kubelet.pkg.apis.dra.v1beta1"
+    for module in (dra_v1, dra_v1beta1):
+        declared = {(n, f.name) for n, m in module.DESCRIPTOR.message_types_by_name.items() for f in m.fields}
+        assert declared - {("Device", "share_id")} == {(m, f) for m, f, _, _ in DRA_FIELDS}
+
+
+@pytest.mark.parametrize(("message", "name", "number", "repeated"), [
+    ("PluginInfo", "type", 1, False),
+    ("PluginInfo", "name", 2, False),
+    ("PluginInfo", "endpoint", 3, False),
+    ("PluginInfo", "supported_versions", 4, True),
+    ("RegistrationStatus", "plugin_registered", 1, False),
+    ("RegistrationStatus", "error", 2, False),
+])
+def test_registration_field_numbers(message: str, name: str, number: int, repeated: bool) -> None:
+    field = registration.DESCRIPTOR.message_types_by_name[message].fields_by_name[name]
+    assert (field.number, field.is_repeated) == (number, repeated)
+    assert registration.DESCRIPTOR.package == "pluginregistration"
+
+
+def test_health_api() -> None:
+    assert dra_health.DESCRIPTOR.package == "v1alpha1"
+    assert dict(dra_health.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    fields = {f.name: f.number for f in dra_health.DESCRIPTOR.message_types_by_name["DeviceHealth"].fields}
+    assert fields == {"device": 1, "health": 2, "last_updated_time": 3, "health_check_timeout_seconds": 4,
+                      "message": 5}
+    method = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].methods_by_name["NodeWatchResources"]
+    assert method.server_streaming

@@ -1,108 +1,27 @@
-"""The ``gpuppetti plugin`` process: load, discover, serve, and stop or reload on signals."""
+"""The ``gpuppetti plugin`` process: discover, serve, and stop or reload on signals."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.config import Config, ConfigError, load_config
+from gpuppetti.daemon import Sources, reload, serve_until_signalled, start_inventory
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
-from gpuppetti.discovery import Backend, BackendUnavailable, backends_for, discover, looked_at
-from gpuppetti.inventory import Inventory
-from gpuppetti.model import Gpu
-from gpuppetti.monitor import HealthMonitor
 
 log = logging.getLogger(__name__)
 
 
-class NoGpusError(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class PluginOptions:
-    config_path: Path | None
-    device_plugin_dir: Path
-    backend: str | None = None
-    host_root: Path = Path("/")
-
-
-@dataclass(frozen=True)
-class Discovered:
-    config: Config
-    backends: list[Backend]
-    gpus: list[Gpu]
-    skipped: list[str]
-
-
-def load_and_discover(config_path: Path | None, backend: str | None, host_root: Path) -> Discovered:
-    """Everything that can fail before serving: the config, the backends and what they find."""
-    config = load_config(config_path)
-    skipped: list[str] = []
-    backends = backends_for(config, backend, host_root, skipped)
-    return Discovered(config, backends, discover(backends), skipped)
-
-
-def nothing_found(found: Discovered) -> str:
-    return "no GPUs found; looked at:\n  " + "\n  ".join([*found.skipped, *looked_at(found.backends)])
-
-
-def describe(gpus: list[Gpu]) -> str:
-    return ", ".join(f"{gpu.id} ({gpu.model})" for gpu in gpus)
-
-
-async def run_plugin(options: PluginOptions) -> None:
-    found = await asyncio.to_thread(load_and_discover, options.config_path, options.backend, options.host_root)
-    if not found.gpus:
-        raise NoGpusError(nothing_found(found))
-    inventory = Inventory(found.config, found.gpus)
-    log.info("found %d GPU(s) with %s: %s", len(found.gpus), ", ".join(b.name for b in found.backends),
-             describe(found.gpus))
+async def run_plugin(sources: Sources, device_plugin_dir: Path) -> None:
+    inventory, monitor = await start_inventory(sources)
     for name, plan in inventory.plan.items():
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
-    monitor = HealthMonitor(inventory, found.backends)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    reloads: set[asyncio.Task[None]] = set()
-
-    def request_stop(signum: int) -> None:
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        stop.set()
-
-    def request_reload() -> None:
-        task = loop.create_task(_reload(options, inventory, monitor), name="config-reload")
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, request_stop, signum)
-    loop.add_signal_handler(signal.SIGHUP, request_reload)
-    try:
+    async def serve(stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as group:
-            group.create_task(DevicePluginManager(inventory, options.device_plugin_dir).run(stop),
-                              name="device-plugin")
+            group.create_task(DevicePluginManager(inventory, device_plugin_dir).run(stop), name="device-plugin")
             watching = group.create_task(monitor.run(), name="health-monitor")
             await stop.wait()
             watching.cancel()
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(signum)
-        for task in reloads:
-            task.cancel()
 
-
-async def _reload(options: PluginOptions, inventory: Inventory, monitor: HealthMonitor) -> None:
-    """SIGHUP: apply a new config if it is valid as a whole; otherwise keep serving the old one."""
-    log.info("received SIGHUP; reloading %s", options.config_path or "the built-in defaults")
-    try:
-        found = await asyncio.to_thread(load_and_discover, options.config_path, options.backend, options.host_root)
-        await inventory.replace(found.config, found.gpus)
-    except (ConfigError, BackendUnavailable) as exc:
-        log.error("config reload failed; keeping the previous config:\n%s", exc)
-        return
-    monitor.set_backends(found.backends)
-    log.info("config reloaded: %s", ", ".join(f"{n}={len(p.units)}" for n, p in inventory.plan.items()))
+    await serve_until_signalled(serve, lambda: reload(sources, inventory, monitor))

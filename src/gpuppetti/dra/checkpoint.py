@@ -1,0 +1,107 @@
+"""The DRA driver's record of prepared claims: versioned, checksummed, and written atomically.
+
+A claim is recorded as PrepareStarted before any side effect and PrepareCompleted after its CDI spec is written,
+so a crash in between is redone on the kubelet's retry. A corrupt file is reported loudly and moved aside: the
+driver keeps serving rather than crash-looping, and the kubelet's retries prepare the claims again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from gpuppetti.fsutil import atomic_write
+
+log = logging.getLogger(__name__)
+
+VERSION = "v1"
+State = Literal["PrepareStarted", "PrepareCompleted"]
+STARTED: Final = "PrepareStarted"
+COMPLETED: Final = "PrepareCompleted"
+
+
+@dataclass
+class PreparedDevice:
+    request_names: list[str]
+    pool: str
+    device: str
+    cdi_device_ids: list[str]
+    share_id: str | None = None
+
+
+@dataclass
+class ClaimRecord:
+    uid: str
+    namespace: str
+    name: str
+    state: State
+    devices: list[PreparedDevice] = field(default_factory=list)
+    cdi_spec: dict[str, Any] | None = None
+    cdi_file: str | None = None
+
+
+def _checksum(claims: dict[str, Any]) -> str:
+    canonical = json.dumps(claims, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
+class CorruptCheckpoint(Exception):
+    pass
+
+
+def _decode(raw: bytes) -> dict[str, ClaimRecord]:
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpoint(f"not JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise CorruptCheckpoint("not a JSON object")
+    if document.get("version") != VERSION:
+        raise CorruptCheckpoint(f"unknown version {document.get('version')!r} (expected {VERSION})")
+    claims = document.get("claims")
+    if not isinstance(claims, dict):
+        raise CorruptCheckpoint("no claims object")
+    if document.get("checksum") != _checksum(claims):
+        raise CorruptCheckpoint("checksum mismatch")
+    records: dict[str, ClaimRecord] = {}
+    try:
+        for uid, raw_record in claims.items():
+            devices = [PreparedDevice(**device) for device in raw_record.pop("devices", [])]
+            records[uid] = ClaimRecord(devices=devices, **raw_record)
+    except TypeError as exc:
+        raise CorruptCheckpoint(f"unexpected record shape: {exc}") from exc
+    return records
+
+
+class Checkpoint:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.claims: dict[str, ClaimRecord] = {}
+
+    def load(self) -> str | None:
+        """Read the file. Returns where a corrupt file was moved, after logging why; None otherwise."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            self.claims = {}
+            return None
+        try:
+            self.claims = _decode(raw)
+            return None
+        except CorruptCheckpoint as exc:
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+            self.path.replace(aside)
+            log.error("checkpoint %s is corrupt (%s); moved it to %s and started empty. Claims it held will be "
+                      "prepared again when the kubelet retries them", self.path, exc, aside)
+            self.claims = {}
+            return str(aside)
+
+    def save(self) -> None:
+        claims = {uid: asdict(record) for uid, record in self.claims.items()}
+        document = {"version": VERSION, "checksum": _checksum(claims), "claims": claims}
+        atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True).encode(), mode=0o600)

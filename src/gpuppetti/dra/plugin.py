@@ -1,0 +1,216 @@
+"""The kubelet-facing gRPC services of the DRA driver: DRAPlugin v1 and v1beta1, resource health, registration."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from gpuppetti._proto.dra.v1 import api_pb2 as v1
+from gpuppetti._proto.dra.v1 import api_pb2_grpc as v1_grpc
+from gpuppetti._proto.dra.v1beta1 import api_pb2 as v1beta1
+from gpuppetti._proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as health
+from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from gpuppetti._proto.pluginregistration.v1 import api_pb2 as reg
+from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from gpuppetti.dra.checkpoint import PreparedDevice
+from gpuppetti.dra.devices import pool_devices
+from gpuppetti.dra.state import ClaimRef, DraState, PrepareError
+from gpuppetti.inventory import Inventory
+from gpuppetti.model import Health
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+PLUGIN_TYPE = "DRAPlugin"
+# The kubelet marks a device Unknown when it hears nothing about it for this long; re-send well within it.
+HEALTH_REFRESH_S = 10.0
+
+
+def _claims(request: Any) -> list[ClaimRef]:
+    return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+
+
+def _malformed(claims: Sequence[ClaimRef]) -> str | None:
+    missing = [f"claims[{i}]" for i, c in enumerate(claims) if not (c.uid and c.name and c.namespace)]
+    if missing:
+        return f"claims need a namespace, uid and name: {', '.join(missing)}"
+    uids = [c.uid for c in claims]
+    duplicates = sorted(uid for uid, count in Counter(uids).items() if count > 1)
+    if duplicates:
+        return f"claims listed more than once: {', '.join(duplicates)}"
+    return None
+
+
+class DraService:
+    """The version-independent part: one answer per claim, errors per claim."""
+
+    def __init__(self, state: DraState) -> None:
+        self.state = state
+        self.prepares = 0
+        self.unprepares = 0
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | str]:
+        answers: dict[str, list[PreparedDevice] | str] = {}
+        for claim in claims:
+            self.prepares += 1
+            try:
+                answers[claim.uid] = await self.state.prepare(claim)
+            except PrepareError as exc:
+                log.warning("prepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, exc)
+                answers[claim.uid] = str(exc)
+            except Exception as exc:  # one claim's failure must not fail the others
+                log.exception("prepare %s/%s (%s) failed", claim.namespace, claim.name, claim.uid)
+                answers[claim.uid] = f"internal error: {exc}"
+        return answers
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        answers: dict[str, str] = {}
+        for claim in claims:
+            self.unprepares += 1
+            try:
+                await self.state.unprepare(claim)
+                answers[claim.uid] = ""
+            except Exception as exc:
+                log.exception("unprepare %s (%s) failed", claim.name, claim.uid)
+                answers[claim.uid] = f"internal error: {exc}"
+        return answers
+
+
+class DraPluginV1(v1_grpc.DRAPluginServicer):
+    def __init__(self, service: DraService) -> None:
+        self._service = service
+
+    async def NodePrepareResources(
+        self, request: v1.NodePrepareResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> v1.NodePrepareResourcesResponse:
+        claims = _claims(request)
+        if problem := _malformed(claims):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        response = v1.NodePrepareResourcesResponse()
+        for uid, answer in (await self._service.prepare(claims)).items():
+            entry = response.claims[uid]
+            if isinstance(answer, str):
+                entry.error = answer
+                continue
+            for device in answer:
+                added = entry.devices.add(request_names=device.request_names, pool_name=device.pool,
+                                          device_name=device.device, cdi_device_ids=device.cdi_device_ids)
+                if device.share_id:
+                    added.share_id = device.share_id
+        return response
+
+    async def NodeUnprepareResources(
+        self, request: v1.NodeUnprepareResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> v1.NodeUnprepareResourcesResponse:
+        claims = _claims(request)
+        if problem := _malformed(claims):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        response = v1.NodeUnprepareResourcesResponse()
+        for uid, error in (await self._service.unprepare(claims)).items():
+            response.claims[uid].error = error
+        return response
+
+
+class DraPluginV1beta1(v1beta1_grpc.DRAPluginServicer):
+    def __init__(self, service: DraService) -> None:
+        self._service = service
+
+    async def NodePrepareResources(
+        self, request: v1beta1.NodePrepareResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> v1beta1.NodePrepareResourcesResponse:
+        claims = _claims(request)
+        if problem := _malformed(claims):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        response = v1beta1.NodePrepareResourcesResponse()
+        for uid, answer in (await self._service.prepare(claims)).items():
+            entry = response.claims[uid]
+            if isinstance(answer, str):
+                entry.error = answer
+                continue
+            # v1beta1 has no share_id; the CDI ids alone tell the runtime what to inject.
+            for device in answer:
+                entry.devices.add(request_names=device.request_names, pool_name=device.pool,
+                                  device_name=device.device, cdi_device_ids=device.cdi_device_ids)
+        return response
+
+    async def NodeUnprepareResources(
+        self, request: v1beta1.NodeUnprepareResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> v1beta1.NodeUnprepareResourcesResponse:
+        claims = _claims(request)
+        if problem := _malformed(claims):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        response = v1beta1.NodeUnprepareResourcesResponse()
+        for uid, error in (await self._service.unprepare(claims)).items():
+            response.claims[uid].error = error
+        return response
+
+
+def health_list(inventory: Inventory, node: str) -> health.NodeWatchResourcesResponse:
+    response = health.NodeWatchResourcesResponse()
+    now = int(time.time())
+    for device in pool_devices(inventory.gpus, inventory.config.dra).values():
+        gpu = inventory.gpus[device.gpu_id]
+        status = health.HEALTHY if gpu.health is Health.HEALTHY else health.UNHEALTHY
+        response.devices.add(
+            device=health.DeviceIdentifier(pool_name=node, device_name=device.name),
+            health=status, last_updated_time=now,
+            message="" if status == health.HEALTHY else f"GPU {gpu.id} is {gpu.health}",
+        )
+    return response
+
+
+class ResourceHealth(health_grpc.DRAResourceHealthServicer):
+    def __init__(self, inventory: Inventory, node: str) -> None:
+        self._inventory = inventory
+        self._node = node
+
+    async def NodeWatchResources(
+        self, request: health.NodeWatchResourcesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
+        inventory = self._inventory
+        while True:
+            seen = inventory.version
+            yield health_list(inventory, self._node)
+            # Each message is the complete list; re-send it before the kubelet's staleness timeout too.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HEALTH_REFRESH_S):
+                    await inventory.wait_for_change(seen)
+
+
+class Registration(reg_grpc.RegistrationServicer):
+    def __init__(self, driver: str, endpoint: str) -> None:
+        self._driver = driver
+        self._endpoint = endpoint
+        self.registered = False
+        self.last_error = ""
+
+    async def GetInfo(
+        self, request: reg.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> reg.PluginInfo:
+        return reg.PluginInfo(type=PLUGIN_TYPE, name=self._driver, endpoint=self._endpoint,
+                              supported_versions=list(SUPPORTED_VERSIONS))
+
+    async def NotifyRegistrationStatus(
+        self, request: reg.RegistrationStatus, context: grpc.aio.ServicerContext
+    ) -> reg.RegistrationStatusResponse:
+        self.registered = request.plugin_registered
+        self.last_error = request.error
+        if request.plugin_registered:
+            log.info("registered with the kubelet as DRA driver %s", self._driver)
+        else:
+            log.error("the kubelet refused the registration of %s: %s", self._driver, request.error)
+        return reg.RegistrationStatusResponse()
+
+
+def add_services(server: grpc.aio.Server, service: DraService, inventory: Inventory, node: str) -> None:
+    v1_grpc.add_DRAPluginServicer_to_server(DraPluginV1(service), server)
+    v1beta1_grpc.add_DRAPluginServicer_to_server(DraPluginV1beta1(service), server)
+    health_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealth(inventory, node), server)

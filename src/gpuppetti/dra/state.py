@@ -1,0 +1,237 @@
+"""Preparing and unpreparing claims: the allocation read from the API, container edits, CDI specs, checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Protocol
+
+from gpuppetti import cdi
+from gpuppetti.config import DraSection
+from gpuppetti.dra import opaque
+from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice
+from gpuppetti.dra.devices import DraDevice, pool_devices
+from gpuppetti.edits import container_edits
+from gpuppetti.inventory import Inventory
+from gpuppetti.model import ContainerEdits, Gpu, Health, Mount, Unit, Vendor
+from gpuppetti.quantity import format_quantity, parse_quantity
+
+log = logging.getLogger(__name__)
+
+
+class ClaimReader(Protocol):
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """The ResourceClaim object; raises ClaimNotFound when there is none."""
+        ...
+
+
+class ClaimNotFound(Exception):
+    pass
+
+
+class PrepareError(Exception):
+    """Preparing one claim failed; the message goes to the kubelet in that claim's entry."""
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    uid: str
+    name: str
+
+
+@dataclass(frozen=True)
+class _Share:
+    device: DraDevice
+    gpu: Gpu
+    cores: Fraction | None
+    memory: int | None
+    share_id: str | None
+
+
+def _share(device: DraDevice, gpu: Gpu, result: Mapping[str, Any]) -> _Share:
+    consumed = result.get("consumedCapacity") or {}
+    cores: Fraction | None = None
+    memory: int | None = None
+    if consumed:
+        cores = parse_quantity(str(consumed["cores"])) if "cores" in consumed else None
+        memory = int(parse_quantity(str(consumed["memory"]))) if "memory" in consumed else None
+    else:
+        cores = gpu.cores * device.fraction if gpu.cores is not None else None
+        memory = int(gpu.memory_bytes * device.fraction) if gpu.memory_bytes is not None else None
+    return _Share(device, gpu, cores, memory, result.get("shareID"))
+
+
+def _sharing_env(shares: list[_Share], config: opaque.GpuConfig) -> str:
+    if any(share.share_id for share in shares):
+        return "consumable"
+    if any(share.device.partitions > 1 for share in shares):
+        return "partition"
+    return {"TimeSlicing": "time-slicing", "Exclusive": "none", "MPS": "mps"}[config.sharing.strategy]
+
+
+def request_edits(
+    shares: list[_Share], config: opaque.GpuConfig, gpus: Mapping[str, Gpu], claim: ClaimRef
+) -> ContainerEdits:
+    """The device plugin's edits for these GPUs, plus the share each one gives (cooperative limits)."""
+    units = [Unit(id=s.device.name, gpu_id=s.gpu.id, resource="dra", replicas=s.device.partitions,
+                  replica=s.device.part if s.device.partitions > 1 else None) for s in shares]
+    edits = container_edits(units, gpus)
+    edits.env["GPUPPETTI_SHARING"] = _sharing_env(shares, config)
+    edits.env["GPUPPETTI_CLAIM"] = claim.uid
+    if any(s.cores is not None for s in shares):
+        edits.env["GPUPPETTI_CORES"] = ",".join(format_quantity(s.cores) if s.cores is not None else ""
+                                                 for s in shares)
+    if any(s.memory is not None for s in shares):
+        edits.env["GPUPPETTI_MEMORY"] = ",".join(str(s.memory) if s.memory is not None else "" for s in shares)
+    share_ids = [s.share_id for s in shares if s.share_id]
+    if share_ids:
+        edits.env["GPUPPETTI_SHARE_ID"] = ",".join(share_ids)
+    # Nothing in user space enforces these shares on every GPU; say so instead of implying isolation.
+    edits.env["GPUPPETTI_LIMITS"] = "cooperative"
+    nvidia = [s for s in shares if s.gpu.vendor is Vendor.NVIDIA and s.gpu.backend != "simulated"]
+    mps = config.sharing.mps or opaque.MpsConfig()
+    if config.sharing.strategy == "MPS" and nvidia:
+        percentage = mps.active_thread_percentage
+        if percentage is None and nvidia[0].cores is not None and nvidia[0].gpu.cores:
+            percentage = max(1, int(100 * nvidia[0].cores / nvidia[0].gpu.cores))
+        if percentage is not None:
+            edits.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percentage)
+        limits = []
+        for position, share in enumerate(nvidia):
+            limit = mps.pinned_device_memory_limit or share.memory
+            if limit:
+                limits.append(f"{position}={max(1, limit // 2**20)}M")
+        if limits:
+            edits.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(limits)
+        edits.env["CUDA_MPS_PIPE_DIRECTORY"] = mps.pipe_directory
+        edits.add_mount(Mount(container_path=mps.pipe_directory, host_path=mps.pipe_directory, read_only=False))
+    return edits
+
+
+class DraState:
+    """Prepare and unprepare, serialised: the kubelet may repeat either call at any time."""
+
+    def __init__(
+        self, inventory: Inventory, node: str, cdi_dir: Path, checkpoint: Checkpoint, claims: ClaimReader,
+        kind: str = cdi.DEFAULT_KIND,
+    ) -> None:
+        self._inventory = inventory
+        self.node = node
+        self.cdi_dir = cdi_dir
+        self.checkpoint = checkpoint
+        self._claims = claims
+        self.kind = kind
+        self._lock = asyncio.Lock()
+
+    @property
+    def section(self) -> DraSection:
+        return self._inventory.config.dra
+
+    def restore(self) -> int:
+        """Re-create the CDI specs of every completed claim: /var/run/cdi is tmpfs, and a reboot empties it."""
+        restored = 0
+        for record in self.checkpoint.claims.values():
+            if record.state == COMPLETED and record.cdi_spec and record.cdi_file:
+                cdi.write_spec(self.cdi_dir, record.cdi_file, record.cdi_spec)
+                restored += 1
+        return restored
+
+    async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
+        async with self._lock:
+            record = self.checkpoint.claims.get(claim.uid)
+            if record is not None and record.state == COMPLETED:
+                if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
+                    cdi.write_spec(self.cdi_dir, record.cdi_file, record.cdi_spec)
+                return record.devices
+            try:
+                return await self._prepare(claim)
+            except BaseException:
+                self.fail(claim)
+                raise
+
+    async def _prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
+        driver = self.section.driver_name
+        try:
+            obj = await self._claims.get_claim(claim.namespace, claim.name)
+        except ClaimNotFound as exc:
+            raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} not found: {exc}") from exc
+        uid = (obj.get("metadata") or {}).get("uid")
+        if uid != claim.uid:
+            raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} was replaced: its uid is {uid}, "
+                               f"the kubelet asked for {claim.uid}")
+        allocation = (obj.get("status") or {}).get("allocation")
+        if not allocation:
+            raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} is not allocated")
+        results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == driver]
+        if not results:
+            raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} has no devices of driver {driver}")
+
+        self.checkpoint.claims[claim.uid] = ClaimRecord(claim.uid, claim.namespace, claim.name, STARTED)
+        self.checkpoint.save()
+
+        gpus = self._inventory.gpus
+        devices = pool_devices(gpus, self.section)
+        by_request: dict[str, list[_Share]] = {}
+        problems: list[str] = []
+        for result in results:
+            name = str(result.get("device"))
+            if result.get("pool") != self.node:
+                problems.append(f"device {name} is in pool {result.get('pool')!r}, not this node's {self.node!r}")
+                continue
+            device = devices.get(name)
+            if device is None:
+                problems.append(f"device {name} is not published by this node")
+                continue
+            gpu = gpus[device.gpu_id]
+            if gpu.health is not Health.HEALTHY:
+                problems.append(f"device {name} ({gpu.id}) is {gpu.health}")
+                continue
+            request = str(result.get("request", "")).split("/", 1)[0]
+            by_request.setdefault(request, []).append(_share(device, gpu, result))
+        if problems:
+            raise PrepareError("; ".join(problems))
+
+        cdi_devices: list[tuple[str, ContainerEdits]] = []
+        prepared: list[PreparedDevice] = []
+        for request, shares in by_request.items():
+            try:
+                config = opaque.config_for_request(allocation, driver, request)
+            except opaque.OpaqueConfigError as exc:
+                raise PrepareError(str(exc)) from exc
+            cdi_name = f"claim-{claim.uid}-{request}"
+            cdi_devices.append((cdi_name, request_edits(shares, config, gpus, claim)))
+            for position, share in enumerate(shares):
+                # One CDI device per request carries the edits of all its GPUs, so a container that gets the
+                # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
+                ids = [cdi.qualified_name(self.kind, cdi_name)] if position == 0 else []
+                prepared.append(PreparedDevice([request], self.node, share.device.name, ids, share.share_id))
+        spec = cdi.build_spec(self.kind, cdi_devices)
+        filename = cdi.spec_filename(self.kind, claim.uid)
+        cdi.write_spec(self.cdi_dir, filename, spec)
+        self.checkpoint.claims[claim.uid] = ClaimRecord(
+            claim.uid, claim.namespace, claim.name, COMPLETED, prepared, spec, filename
+        )
+        self.checkpoint.save()
+        log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid,
+                 ", ".join(d.device for d in prepared))
+        return prepared
+
+    async def unprepare(self, claim: ClaimRef) -> None:
+        async with self._lock:
+            record = self.checkpoint.claims.pop(claim.uid, None)
+            cdi.remove_spec(self.cdi_dir, cdi.spec_filename(self.kind, claim.uid))
+            if record is not None:
+                self.checkpoint.save()
+                log.info("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
+
+    def fail(self, claim: ClaimRef) -> None:
+        """Forget a claim whose preparation failed, so that a retry starts clean."""
+        record = self.checkpoint.claims.get(claim.uid)
+        if record is not None and record.state == STARTED:
+            del self.checkpoint.claims[claim.uid]
+            self.checkpoint.save()
