@@ -50,6 +50,9 @@ class DaemonProcess:
         self._log = self.log_path.open("ab")
         environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
         environment.update(env or {})
+        # An ephemeral port, so that tests never collide on the default one; http_url() reads it from the log.
+        if args[0] in ("plugin", "dra") and "--http-address" not in args:
+            args = [*args, "--http-address", "127.0.0.1:0"]
         self.process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *args, "--log-level", "debug"],
                                         stdout=self._log, stderr=subprocess.STDOUT, env=environment)
 
@@ -70,6 +73,12 @@ class DaemonProcess:
                     raise AssertionError(f"plugin exited ({self.process.returncode}) before logging {text!r}:\n"
                                          f"{self.log()}")
                 await asyncio.sleep(0.02)
+
+    async def http_url(self, timeout: float = 10.0) -> str:
+        marker = "/metrics on http://"
+        await self.wait_for_log(marker, timeout)
+        line = next(line for line in self.log().splitlines() if marker in line)
+        return "http://" + line.split(marker, 1)[1].strip()
 
     async def wait(self, timeout: float = 30.0) -> int:
         """Wait for the process to exit by itself."""

@@ -17,6 +17,8 @@ from gpuppetti.config import BACKENDS, CONFIG_ENV, ConfigError
 from gpuppetti.deviceplugin.lifecycle import DEFAULT_DEVICE_PLUGIN_DIR, SocketDirError
 from gpuppetti.dra.paths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 
+DEFAULT_HTTP_ADDRESS = "127.0.0.1:9400"
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -44,6 +46,14 @@ def _add_config(parser: argparse.ArgumentParser, help_default: str) -> None:
     parser.add_argument(
         "--config", type=Path, default=_env_path(CONFIG_ENV), metavar="PATH",
         help=f"YAML config file with 'version: v1' (env {CONFIG_ENV}; default: {help_default})",
+    )
+
+
+def _add_http(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--http-address", default=os.environ.get("GPUPPETTI_HTTP_ADDRESS", DEFAULT_HTTP_ADDRESS), metavar="HOST:PORT",
+        help="where to serve /healthz (ready once registered), /livez and /metrics; the only TCP listener, "
+        f"'' turns it off (env GPUPPETTI_HTTP_ADDRESS; default {DEFAULT_HTTP_ADDRESS})",
     )
 
 
@@ -82,7 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the kubelet's device plugin directory, holding kubelet.sock (env GPUPPETTI_DEVICE_PLUGIN_DIR; "
         f"default {DEFAULT_DEVICE_PLUGIN_DIR})",
     )
+    plugin.add_argument(
+        "--cdi-dir", type=Path, default=_env_path("GPUPPETTI_CDI_DIR") or DEFAULT_CDI_DIR, metavar="DIR",
+        help=f"where the CDI spec goes when plugin.deviceListStrategy includes a CDI strategy "
+        f"(env GPUPPETTI_CDI_DIR; default {DEFAULT_CDI_DIR})",
+    )
     _add_discovery(plugin)
+    _add_http(plugin)
     _add_common(plugin)
 
     discover = commands.add_parser(
@@ -116,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     dra.add_argument("--kubeconfig", type=Path, default=_env_path("KUBECONFIG"), metavar="PATH",
                      help="kubeconfig for the API server (env KUBECONFIG; default: the in-cluster service account)")
     _add_discovery(dra)
+    _add_http(dra)
     _add_common(dra)
 
     demo = commands.add_parser(
@@ -167,13 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plugin(args: argparse.Namespace) -> int:
     from gpuppetti.deviceplugin.run import run_plugin
 
-    return _run_daemon(run_plugin(_sources(args), args.device_plugin_dir))
+    return _run_daemon(run_plugin(_sources(args), args.device_plugin_dir, args.http_address, args.cdi_dir))
 
 
 def _dra(args: argparse.Namespace) -> int:
     from gpuppetti.dra.run import DraOptions, run_dra
 
-    options = DraOptions(args.node_name, args.registry_dir, args.plugins_dir, args.cdi_dir, args.kubeconfig)
+    options = DraOptions(args.node_name, args.registry_dir, args.plugins_dir, args.cdi_dir, args.kubeconfig,
+                         args.http_address)
     return _run_daemon(run_dra(_sources(args), options))
 
 
@@ -188,8 +206,9 @@ def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
     from gpuppetti.daemon import NoGpusError
     from gpuppetti.discovery import BackendUnavailable
     from gpuppetti.dra.run import DraStartupError
+    from gpuppetti.httpserver import AddressError
 
-    expected = (SocketDirError, NoGpusError, BackendUnavailable, DraStartupError)
+    expected = (SocketDirError, NoGpusError, BackendUnavailable, DraStartupError, AddressError)
     try:
         asyncio.run(main)
     except expected as exc:

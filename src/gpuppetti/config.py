@@ -167,8 +167,27 @@ class DraSection(_Strict):
     shares: int = Field(default=4, ge=1, le=1000)
 
 
+DeviceListStrategy = Literal["envvar", "cdi-cri", "cdi-annotations"]
+
+
+def _strategies(value: object) -> object:
+    # NVIDIA's config takes one strategy or a list; "cdi" is short for the structured CDI field.
+    items = [value] if isinstance(value, str) else value
+    if isinstance(items, list):
+        return ["cdi-cri" if item == "cdi" else item for item in items]
+    return value
+
+
+def _default_strategies() -> list[DeviceListStrategy]:
+    return ["envvar"]
+
+
 class PluginSection(_Strict):
     allocation_policy: Literal["distributed", "packed"] = "distributed"
+    # envvar: env vars and device nodes in the Allocate response. cdi-cri: CDI device names in its cdi_devices
+    # field (Kubernetes 1.28+). cdi-annotations: the same names as cdi.k8s.io/ annotations, for older runtimes.
+    device_list_strategy: Annotated[list[DeviceListStrategy], BeforeValidator(_strategies)] = Field(
+        default_factory=_default_strategies, min_length=1)
 
 
 class Config(_Strict):

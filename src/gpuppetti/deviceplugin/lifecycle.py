@@ -21,8 +21,10 @@ import grpc
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from gpuppetti.deviceplugin import cdispec
 from gpuppetti.deviceplugin.server import DevicePluginService
 from gpuppetti.inventory import Inventory
+from gpuppetti.metrics import Metrics
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -65,8 +67,9 @@ class Backoff:
 class ResourceEndpoint:
     """One grpc.aio server on one Unix socket, serving one resource."""
 
-    def __init__(self, inventory: Inventory, resource: str, directory: Path) -> None:
+    def __init__(self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics) -> None:
         self.resource = resource
+        self._metrics = metrics
         self.socket_name = socket_name(resource)
         self.path = directory / self.socket_name
         self._inventory = inventory
@@ -95,7 +98,8 @@ class ResourceEndpoint:
             if stat.S_ISSOCK(self.path.lstat().st_mode):
                 self.path.unlink()
         server = grpc.aio.server()
-        pb_grpc.add_DevicePluginServicer_to_server(DevicePluginService(self._inventory, self.resource), server)
+        pb_grpc.add_DevicePluginServicer_to_server(
+            DevicePluginService(self._inventory, self.resource, self._metrics), server)
         try:
             server.add_insecure_port(f"unix:{self.path}")
         except RuntimeError as exc:
@@ -131,18 +135,26 @@ class _Supervised:
 class DevicePluginManager:
     """Runs every resource's endpoint, and keeps each registered with the kubelet."""
 
-    def __init__(self, inventory: Inventory, directory: Path) -> None:
+    def __init__(
+        self, inventory: Inventory, directory: Path, metrics: Metrics | None = None, cdi_dir: Path | None = None
+    ) -> None:
         self._inventory = inventory
         self.directory = directory
+        self.metrics = metrics or Metrics()
+        self.cdi_dir = cdi_dir
         self.kubelet_socket = directory / KUBELET_SOCKET
-        self._kubelet_generation = 0
         self._resources: dict[str, _Supervised] = {}
-        self.registrations = 0
-        self.restarts = 0
 
     @property
     def registered(self) -> dict[str, bool]:
         return {name: sup.registered for name, sup in self._resources.items()}
+
+    def waiting_for(self) -> str | None:
+        """None once every resource is registered with the kubelet; else what is missing (for /healthz)."""
+        if not self._resources:
+            return "no resource is being served yet"
+        missing = sorted(name for name, sup in self._resources.items() if not sup.registered)
+        return f"not registered with the kubelet: {', '.join(missing)}" if missing else None
 
     def _check_directory(self) -> None:
         try:
@@ -173,12 +185,24 @@ class DevicePluginManager:
         self._resources.clear()
         log.info("device plugin stopped; sockets removed")
 
+    def _write_cdi_spec(self) -> None:
+        strategies = self._inventory.config.plugin.device_list_strategy
+        if self.cdi_dir is None or not any(s.startswith("cdi") for s in strategies):
+            return
+        try:
+            path = cdispec.write_plugin_spec(self.cdi_dir, self._inventory)
+        except OSError as exc:
+            raise SocketDirError(f"cannot write the CDI spec into {self.cdi_dir}: {exc.strerror}") from exc
+        log.info("wrote CDI spec %s", path)
+
     async def _reconcile(self, group: asyncio.TaskGroup) -> None:
         while True:
             seen = self._inventory.version
+            # Before serving: an Allocate that names CDI devices must find them in the spec.
+            self._write_cdi_spec()
             wanted = set(self._inventory.plan)
             for name in sorted(wanted - self._resources.keys()):
-                endpoint = ResourceEndpoint(self._inventory, name, self.directory)
+                endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics)
                 wake = asyncio.Event()
                 task = group.create_task(self._supervise(endpoint, wake), name=f"device-plugin {name}")
                 self._resources[name] = _Supervised(endpoint, wake, task)
@@ -198,10 +222,8 @@ class DevicePluginManager:
                 if event.change is Change.RESCAN or (
                     event.change is Change.CREATED and event.name == KUBELET_SOCKET
                 ):
-                    # A new kubelet.sock means a new kubelet, which knows nothing of earlier registrations.
-                    self._kubelet_generation += 1
                     if event.change is Change.CREATED:
-                        log.info("kubelet socket %s appeared; registering again", self.kubelet_socket)
+                        log.info("kubelet socket %s appeared", self.kubelet_socket)
                     for sup in self._resources.values():
                         sup.wake.set()
                 elif event.change is Change.DELETED and event.name in names:
@@ -210,13 +232,12 @@ class DevicePluginManager:
             await asyncio.sleep(1.0)
             with contextlib.suppress(OSError):
                 self.directory.mkdir(parents=True, exist_ok=True)
-            self._kubelet_generation += 1
             for sup in self._resources.values():
                 sup.wake.set()
 
     async def _supervise(self, endpoint: ResourceEndpoint, wake: asyncio.Event) -> None:
         backoff = Backoff()
-        registered_for: tuple[int, int] | None = None
+        registered_for: tuple[tuple[int, int, int], int] | None = None
         waiting_logged = False
         name = endpoint.resource
         try:
@@ -224,17 +245,18 @@ class DevicePluginManager:
                 wake.clear()
                 if not endpoint.intact():
                     if endpoint.serial:
-                        self.restarts += 1
+                        self.metrics.restarts.labels(name).inc()
                         log.info("%s: socket %s is gone (kubelet restart?); serving it again",
                                     name, endpoint.path)
                     self._mark(name, False)
                     await endpoint.restart()
-                want = (self._kubelet_generation, endpoint.serial)
-                if registered_for == want:
+                kubelet = self._kubelet_identity()
+                want = (kubelet, endpoint.serial) if kubelet is not None else None
+                if want is not None and registered_for == want:
                     await wake.wait()
                     continue
                 self._mark(name, False)
-                if not self.kubelet_socket.exists():
+                if want is None:
                     delay = backoff.next()
                     if not waiting_logged or delay >= BACKOFF_MAX_S:
                         log.warning("%s: waiting for the kubelet: %s does not exist yet "
@@ -254,12 +276,23 @@ class DevicePluginManager:
                 registered_for = want
                 waiting_logged = False
                 backoff.reset()
-                self.registrations += 1
+                self.metrics.registrations.labels(name).inc()
                 self._mark(name, True)
                 log.info("%s: registered with the kubelet (endpoint %s)", name, endpoint.socket_name)
         finally:
             self._mark(name, False)
             await endpoint.stop()
+
+    def _kubelet_identity(self) -> tuple[int, int, int] | None:
+        """Which kubelet.sock is there now: a new file means a new kubelet, which knows no earlier registration.
+
+        The creation time tells a re-created socket from the old one even when the inode number is reused.
+        """
+        try:
+            st = self.kubelet_socket.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
     def _mark(self, name: str, registered: bool) -> None:
         supervised = self._resources.get(name)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from gpuppetti import cdi
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from gpuppetti.deviceplugin import cdispec
 from gpuppetti.edits import container_edits
 from gpuppetti.inventory import Inventory
+from gpuppetti.metrics import Metrics
 from gpuppetti.model import ContainerEdits, Health, Unit
 from gpuppetti.sharing import ResourcePlan, preferred_allocation
 
@@ -34,14 +38,25 @@ def device_list(inventory: Inventory, plan: ResourcePlan | None) -> pb.ListAndWa
     return pb.ListAndWatchResponse(devices=devices)
 
 
-def edits_to_response(edits: ContainerEdits) -> pb.ContainerAllocateResponse:
+def edits_to_response(
+    edits: ContainerEdits, strategies: Sequence[str] = ("envvar",), cdi_names: Sequence[str] = (),
+    annotation: str = "",
+) -> pb.ContainerAllocateResponse:
+    """Render edits the ways ``strategies`` ask: device specs and mounts (envvar), CDI names (cdi-cri), or
+    CDI annotations. The env always goes in: it depends on the allocation, and no CDI spec can carry it."""
     response = pb.ContainerAllocateResponse(envs=edits.env)
-    for node in edits.device_nodes:
-        response.devices.add(container_path=node.path, host_path=node.source, permissions=node.permissions)
-    for mount in edits.mounts:
-        response.mounts.add(
-            container_path=mount.container_path, host_path=mount.host_path, read_only=mount.read_only
-        )
+    if "envvar" in strategies:
+        for node in edits.device_nodes:
+            response.devices.add(container_path=node.path, host_path=node.source, permissions=node.permissions)
+        for mount in edits.mounts:
+            response.mounts.add(
+                container_path=mount.container_path, host_path=mount.host_path, read_only=mount.read_only
+            )
+    if "cdi-cri" in strategies:
+        for name in cdi_names:
+            response.cdi_devices.add(name=name)
+    if "cdi-annotations" in strategies and cdi_names:
+        response.annotations[annotation] = ",".join(cdi_names)
     return response
 
 
@@ -77,9 +92,10 @@ def resolve_request(inventory: Inventory, resource: str, ids: Sequence[str]) -> 
 
 
 class DevicePluginService(pb_grpc.DevicePluginServicer):
-    def __init__(self, inventory: Inventory, resource: str) -> None:
+    def __init__(self, inventory: Inventory, resource: str, metrics: Metrics) -> None:
         self._inventory = inventory
         self._resource = resource
+        self._metrics = metrics
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
@@ -128,6 +144,18 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
+        started = time.perf_counter()
+        try:
+            response = await self._allocate(request, context)
+        except BaseException:
+            self._metrics.allocate_requests.labels(self._resource, "error").inc()
+            raise
+        finally:
+            self._metrics.allocate_seconds.labels(self._resource).observe(time.perf_counter() - started)
+        self._metrics.allocate_requests.labels(self._resource, "ok").inc()
+        return response
+
+    async def _allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
         if not request.container_requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self._resource}: no container requests")
         response = pb.AllocateResponse()
@@ -139,7 +167,14 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                 prefix = f"container request {number}: " if len(request.container_requests) > 1 else ""
                 log.warning("Allocate refused: %s%s", prefix, exc)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{prefix}{exc}")
-            response.container_responses.append(edits_to_response(container_edits(units, inventory.gpus)))
+            strategies = inventory.config.plugin.device_list_strategy
+            gpu_ids = list(dict.fromkeys(u.gpu_id for u in units))
+            names = [cdi.qualified_name(cdispec.KIND, cdispec.device_name(inventory.gpus[g])) for g in gpu_ids]
+            response.container_responses.append(edits_to_response(
+                container_edits(units, inventory.gpus), strategies, names,
+                cdispec.annotation_key(self._resource, [u.id for u in units]),
+            ))
+            self._metrics.allocated_units.labels(self._resource).inc(len(units))
             log.info("%s: allocated %s", self._resource, ", ".join(u.id for u in units))
         return response
 

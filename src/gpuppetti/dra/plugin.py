@@ -24,6 +24,7 @@ from gpuppetti.dra.checkpoint import PreparedDevice
 from gpuppetti.dra.devices import pool_devices
 from gpuppetti.dra.state import ClaimRef, DraState, PrepareError
 from gpuppetti.inventory import Inventory
+from gpuppetti.metrics import Metrics
 from gpuppetti.model import Health
 
 log = logging.getLogger(__name__)
@@ -52,35 +53,37 @@ def _malformed(claims: Sequence[ClaimRef]) -> str | None:
 class DraService:
     """The version-independent part: one answer per claim, errors per claim."""
 
-    def __init__(self, state: DraState) -> None:
+    def __init__(self, state: DraState, metrics: Metrics) -> None:
         self.state = state
-        self.prepares = 0
-        self.unprepares = 0
+        self._metrics = metrics
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | str]:
         answers: dict[str, list[PreparedDevice] | str] = {}
-        for claim in claims:
-            self.prepares += 1
-            try:
-                answers[claim.uid] = await self.state.prepare(claim)
-            except PrepareError as exc:
-                log.warning("prepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, exc)
-                answers[claim.uid] = str(exc)
-            except Exception as exc:  # one claim's failure must not fail the others
-                log.exception("prepare %s/%s (%s) failed", claim.namespace, claim.name, claim.uid)
-                answers[claim.uid] = f"internal error: {exc}"
+        with self._metrics.prepare_seconds.time():
+            for claim in claims:
+                try:
+                    answers[claim.uid] = await self.state.prepare(claim)
+                except PrepareError as exc:
+                    log.warning("prepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, exc)
+                    answers[claim.uid] = str(exc)
+                except Exception as exc:  # one claim's failure must not fail the others
+                    log.exception("prepare %s/%s (%s) failed", claim.namespace, claim.name, claim.uid)
+                    answers[claim.uid] = f"internal error: {exc}"
+                result = "error" if isinstance(answers[claim.uid], str) else "ok"
+                self._metrics.prepare_requests.labels(result).inc()
         return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         answers: dict[str, str] = {}
-        for claim in claims:
-            self.unprepares += 1
-            try:
-                await self.state.unprepare(claim)
-                answers[claim.uid] = ""
-            except Exception as exc:
-                log.exception("unprepare %s (%s) failed", claim.name, claim.uid)
-                answers[claim.uid] = f"internal error: {exc}"
+        with self._metrics.unprepare_seconds.time():
+            for claim in claims:
+                try:
+                    await self.state.unprepare(claim)
+                    answers[claim.uid] = ""
+                except Exception as exc:
+                    log.exception("unprepare %s (%s) failed", claim.name, claim.uid)
+                    answers[claim.uid] = f"internal error: {exc}"
+                self._metrics.unprepare_requests.labels("error" if answers[claim.uid] else "ok").inc()
         return answers
 
 

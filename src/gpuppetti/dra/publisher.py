@@ -19,6 +19,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from gpuppetti.dra.slices import PoolContent, pool_content, resource_slices
 from gpuppetti.inventory import Inventory
 from gpuppetti.kube import RESOURCE_GROUP, RESOURCE_VERSION
+from gpuppetti.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,11 @@ RETRY_MAX_S = 10.0
 
 
 class SlicePublisher:
-    def __init__(self, api: client.ApiClient, inventory: Inventory, node: str, owner: dict[str, Any] | None) -> None:
+    def __init__(
+        self, api: client.ApiClient, inventory: Inventory, node: str, owner: dict[str, Any] | None, metrics: Metrics
+    ) -> None:
         self._custom = client.CustomObjectsApi(api)
+        self._metrics = metrics
         self._inventory = inventory
         self.node = node
         self._owner = owner
@@ -37,7 +41,6 @@ class SlicePublisher:
         self._content: PoolContent | None = None
         self.generation = 0
         self._written: dict[str, str] = {}
-        self.publishes = 0
         self.published = asyncio.Event()
 
     @property
@@ -106,7 +109,7 @@ class SlicePublisher:
             self._written.pop(name, None)
             changed += 1
         if changed:
-            self.publishes += 1
+            self._metrics.slice_publishes.inc()
             log.info("published pool %s generation %d: %d slice(s), %d written", self.node, self.generation,
                      len(content.specs), changed)
         self.published.set()

@@ -19,7 +19,9 @@ from gpuppetti.dra.paths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_RE
 from gpuppetti.dra.plugin import DraService, Registration, add_services
 from gpuppetti.dra.publisher import SlicePublisher
 from gpuppetti.dra.state import DraState
+from gpuppetti.httpserver import HttpServer
 from gpuppetti.kube import ApiClaims, api_client, node_owner
+from gpuppetti.metrics import Metrics
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class DraOptions:
     plugins_dir: Path = DEFAULT_PLUGINS_DIR
     cdi_dir: Path = DEFAULT_CDI_DIR
     kubeconfig: Path | None = None
+    http_address: str | None = None
 
 
 def _remove(path: Path) -> None:
@@ -96,7 +99,9 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
     restored = state.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
-    service = DraService(state)
+    metrics = Metrics()
+    metrics.watch(inventory)
+    service = DraService(state, metrics)
 
     dra_socket = plugin_dir / "dra.sock"
     registration_socket = options.registry_dir / f"{driver}-reg.sock"
@@ -106,12 +111,24 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
     registration_server = grpc.aio.server()
     reg_grpc.add_RegistrationServicer_to_server(registration, registration_server)
 
+    publisher = SlicePublisher(api, inventory, options.node_name, await node_owner(api, options.node_name), metrics)
+
+    def waiting_for() -> str | None:
+        if not registration.registered:
+            return f"the kubelet has not confirmed the registration ({registration.last_error or 'no answer yet'})"
+        if not publisher.published.is_set():
+            return "the ResourceSlices are not published yet"
+        return None
+
+    http = HttpServer(metrics, waiting_for)
+
     async def serve(stop: asyncio.Event) -> None:
         # The kubelet may call the DRA service as soon as it sees the registration socket: serve it first.
         await _serve_socket(dra_server, dra_socket)
         await _serve_socket(registration_server, registration_socket)
         log.info("DRA driver %s serving on %s, registration on %s", driver, dra_socket, registration_socket)
-        publisher = SlicePublisher(api, inventory, options.node_name, await node_owner(api, options.node_name))
+        if options.http_address:
+            await http.start(options.http_address)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [
@@ -128,6 +145,7 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
             _remove(registration_socket)
             await dra_server.stop(STOP_GRACE_S)
             _remove(dra_socket)
+            await http.stop()
             await api.close()
 
     await serve_until_signalled(serve, lambda: reload(sources, inventory, monitor))

@@ -1,0 +1,87 @@
+"""Prometheus metrics, in a registry of their own per process (or per test)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gpuppetti.inventory import Inventory
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _InventoryCollector(Collector):
+    """Reads the inventory at scrape time, so that nothing has to remember to update a gauge."""
+
+    def __init__(self, inventory: Callable[[], Inventory | None]) -> None:
+        self._inventory = inventory
+
+    def collect(self) -> Iterator[Any]:
+        inventory = self._inventory()
+        gpus = GaugeMetricFamily("gpuppetti_gpus", "GPUs found, by vendor, model and health",
+                                 labels=["vendor", "model", "health", "backend"])
+        units = GaugeMetricFamily("gpuppetti_units", "Allocatable units advertised, by resource and health",
+                                  labels=["resource", "health"])
+        utilization = GaugeMetricFamily("gpuppetti_gpu_utilization_percent",
+                                        "GPU busy percent, where the backend reports it", labels=["gpu", "model"])
+        memory_used = GaugeMetricFamily("gpuppetti_gpu_memory_used_bytes",
+                                        "GPU memory in use, where the backend reports it", labels=["gpu", "model"])
+        if inventory is not None:
+            counts: dict[tuple[str, str, str, str], int] = {}
+            for gpu in inventory.gpus.values():
+                key = (gpu.vendor.value, gpu.model, str(gpu.health), gpu.backend)
+                counts[key] = counts.get(key, 0) + 1
+                if gpu.utilization_percent is not None:
+                    utilization.add_metric([gpu.id, gpu.model], gpu.utilization_percent)
+                if gpu.memory_used_bytes is not None:
+                    memory_used.add_metric([gpu.id, gpu.model], gpu.memory_used_bytes)
+            for key, count in counts.items():
+                gpus.add_metric(list(key), count)
+            for name, plan in inventory.plan.items():
+                per_health: dict[str, int] = {"Healthy": 0, "Unhealthy": 0}
+                for unit in plan.units:
+                    per_health[str(inventory.gpus[unit.gpu_id].health)] += 1
+                for health, count in per_health.items():
+                    units.add_metric([name, health], count)
+        yield from (gpus, units, utilization, memory_used)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._inventory: Inventory | None = None
+        self.registry.register(_InventoryCollector(lambda: self._inventory))
+        self.allocate_requests = Counter(
+            "gpuppetti_allocate_requests", "Device plugin Allocate calls", ["resource", "result"],
+            registry=self.registry)
+        self.allocate_seconds = Histogram(
+            "gpuppetti_allocate_duration_seconds", "Device plugin Allocate latency", ["resource"],
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.allocated_units = Counter(
+            "gpuppetti_allocated_units", "Units handed out by Allocate", ["resource"], registry=self.registry)
+        self.registrations = Counter(
+            "gpuppetti_registrations", "Successful registrations with the kubelet", ["resource"],
+            registry=self.registry)
+        self.restarts = Counter(
+            "gpuppetti_plugin_restarts", "Device plugin servers restarted after their socket was removed",
+            ["resource"], registry=self.registry)
+        self.prepare_requests = Counter(
+            "gpuppetti_dra_prepare_claims", "Claims prepared by the DRA driver", ["result"], registry=self.registry)
+        self.prepare_seconds = Histogram(
+            "gpuppetti_dra_prepare_duration_seconds", "Latency of NodePrepareResources calls",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.unprepare_requests = Counter(
+            "gpuppetti_dra_unprepare_claims", "Claims unprepared by the DRA driver", ["result"],
+            registry=self.registry)
+        self.unprepare_seconds = Histogram(
+            "gpuppetti_dra_unprepare_duration_seconds", "Latency of NodeUnprepareResources calls",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.slice_publishes = Counter(
+            "gpuppetti_dra_slice_publishes", "Times the DRA driver wrote its ResourceSlices", registry=self.registry)
+
+    def watch(self, inventory: Inventory) -> None:
+        self._inventory = inventory

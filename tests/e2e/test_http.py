@@ -1,0 +1,73 @@
+"""The health and metrics endpoint of both front ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
+from tests.helpers import TWO_M3_MAX, PluginProcess
+
+pytestmark = pytest.mark.e2e
+
+
+async def _get(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.text()
+
+
+async def test_healthz_is_ready_once_registered_and_metrics_count(
+    plugin_dir: Path, start_plugin: Callable[..., PluginProcess]
+) -> None:
+    plugin = start_plugin(TWO_M3_MAX)
+    url = await plugin.http_url()
+    status, text = await _get(f"{url}/healthz")
+    assert status == 503 and "not registered with the kubelet: apple.com/gpu" in text
+    assert (await _get(f"{url}/livez"))[0] == 200
+
+    async with KubeletEmulator(plugin_dir) as kubelet:
+        await kubelet.wait_registered("apple.com/gpu")
+        async with asyncio.timeout(10):
+            while (await _get(f"{url}/healthz"))[0] != 200:
+                await asyncio.sleep(0.02)
+        await kubelet.admit(Pod.simple("a", "apple.com/gpu", 2))
+        await kubelet.restart()
+        await kubelet.wait_registered("apple.com/gpu", count=2)
+        # The kubelet sees the registration a moment before the plugin's Register call returns and counts it.
+        registered = 'gpuppetti_registrations_total{resource="apple.com/gpu"} 2.0'
+        async with asyncio.timeout(10):
+            while registered not in (metrics := (await _get(f"{url}/metrics"))[1]):
+                await asyncio.sleep(0.02)
+    lines = set(metrics.splitlines())
+    assert 'gpuppetti_allocate_requests_total{resource="apple.com/gpu",result="ok"} 1.0' in lines
+    assert 'gpuppetti_allocated_units_total{resource="apple.com/gpu"} 2.0' in lines
+    # The kubelet deleted the plugin's socket twice: when it first started, and when it restarted.
+    assert 'gpuppetti_plugin_restarts_total{resource="apple.com/gpu"} 2.0' in lines
+    assert 'gpuppetti_units{health="Healthy",resource="apple.com/gpu"} 8.0' in lines
+    assert 'gpuppetti_gpus{backend="simulated",health="Healthy",model="Apple M3 Max",vendor="apple"} 2.0' in lines
+    assert any(line.startswith('gpuppetti_allocate_duration_seconds_bucket{le="0.005",resource="apple.com/gpu"}')
+               for line in lines)
+
+
+def test_the_listener_defaults_to_localhost() -> None:
+    from gpuppetti.cli import build_parser
+
+    args = build_parser().parse_args(["plugin"])
+    assert args.http_address == "127.0.0.1:9400"
+    args = build_parser().parse_args(["dra", "--node-name", "n"])
+    assert args.http_address == "127.0.0.1:9400"
+
+
+async def test_an_address_in_use_is_a_clear_error(
+    start_plugin: Callable[..., PluginProcess], kubelet: KubeletEmulator
+) -> None:
+    first = start_plugin(TWO_M3_MAX)
+    url = await first.http_url()
+    taken = url.removeprefix("http://")
+    second = start_plugin(TWO_M3_MAX, "--http-address", taken)
+    assert await second.wait() == 1
+    assert f"cannot listen on {taken}" in second.log()
