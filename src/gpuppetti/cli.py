@@ -145,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", type=Path, default=None, metavar="PATH",
         help="YAML config with simulated GPUs (default: the built-in demo config)",
     )
+    demo.add_argument(
+        "--runtime", choices=("podman",), default=None,
+        help="also run each admitted pod as a real container with podman, applying its CDI devices, env, device "
+        "nodes and mounts, and show what it saw inside (needs root, podman, runc and busybox-static)",
+    )
+    demo.add_argument(
+        "--image", default=None, metavar="IMAGE",
+        help="a local image with /bin/sh for --runtime podman (default: one built from /bin/busybox; "
+        "nothing is pulled)",
+    )
     _add_common(demo, default_level="warning")
     return parser
 
@@ -261,7 +271,7 @@ def _discover(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from gpuppetti.demo import run_demo
 
-    return asyncio.run(run_demo(args.config, _console()))
+    return asyncio.run(run_demo(args.config, _console(), args.runtime, args.image))
 
 
 if __name__ == "__main__":  # pragma: no cover

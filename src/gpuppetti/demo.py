@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -12,12 +14,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from gpuppetti import cdi
 from gpuppetti.config import Config, load_config, parse_config
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import backends_for, discover
 from gpuppetti.inventory import Inventory
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.report import gpu_table
+from gpuppetti.sandbox import PodmanSandbox, SandboxError
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1
@@ -46,18 +50,40 @@ def demo_pods(resource: str, capacity: int) -> list[Pod]:
     return [Pod.simple(f"{short}-pod-{n + 1}", resource, size) for n, size in enumerate(sizes)]
 
 
-async def run_demo(config_path: Path | None, console: Console) -> int:
+SANDBOX_CDI_DIR = Path("/var/run/cdi")
+# Its own CDI kind, so that the sandbox never overwrites the spec of a plugin that really runs on this machine.
+SANDBOX_CDI_KIND = "sandbox.gpuppetti.dev/gpu"
+
+
+async def run_demo(
+    config_path: Path | None, console: Console, runtime: str | None = None, image: str | None = None
+) -> int:
     config = demo_config(config_path)
     gpus = discover(backends_for(config, "simulated"))
     if not gpus:
         console.print(f"[red]the demo config {config.source} has no simulated GPUs[/red]")
         return 2
+    sandbox: PodmanSandbox | None = None
+    cdi_dir: Path | None = None
+    if runtime == "podman":
+        sandbox = PodmanSandbox(image)
+        if (why := await sandbox.why_not()) is not None:
+            console.print(f"[red]cannot run the sandbox: {why}[/red]")
+            return 1
+        # Debian's podman 4.3 reads CDI specs only from /etc/cdi and /var/run/cdi.
+        cdi_dir = SANDBOX_CDI_DIR
+        if not _writable(cdi_dir):
+            console.print(f"[red]cannot run the sandbox: {cdi_dir} is not writable (run as root)[/red]")
+            return 1
+        section = config.plugin.model_copy(update={"device_list_strategy": ["envvar", "cdi-cri"]})
+        config = config.model_copy(update={"plugin": section})
+        await sandbox.ensure_image()
     inventory = Inventory(config, gpus)
     workdir = Path(tempfile.mkdtemp(prefix="gpuppetti-demo-"))
     stop = asyncio.Event()
     try:
         async with KubeletEmulator(workdir) as kubelet:
-            manager = DevicePluginManager(inventory, workdir)
+            manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND)
             plugin = asyncio.create_task(manager.run(stop), name="device-plugin")
             try:
                 for resource in inventory.plan:
@@ -75,6 +101,8 @@ async def run_demo(config_path: Path | None, console: Console) -> int:
                             outcomes.append((pod, str(exc)))
                 console.print(_slice_table(inventory, kubelet))
                 console.print(_pod_table(outcomes))
+                if sandbox is not None:
+                    console.print(await _run_containers(sandbox, outcomes))
 
                 before = {r: kubelet.registrations(r) for r in inventory.plan}
                 started = time.monotonic()
@@ -91,7 +119,43 @@ async def run_demo(config_path: Path | None, console: Console) -> int:
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(workdir)
+        if cdi_dir is not None:
+            cdi.remove_spec(cdi_dir, cdi.spec_filename(SANDBOX_CDI_KIND))
     return 0
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
+
+
+async def _run_containers(
+    sandbox: PodmanSandbox, outcomes: list[tuple[Pod, list[ContainerAllocation] | str]]
+) -> Table:
+    table = Table(title=f"Containers run by podman ({sandbox.image}): what each one saw", title_justify="left")
+    for column in ("pod", "podman flags from Allocate", "GPUPPETTI_* env inside", "/dev inside"):
+        table.add_column(column)
+    for pod, outcome in outcomes:
+        if isinstance(outcome, str):
+            continue
+        for allocation in outcome:
+            name = f"gpuppetti-{pod.name}-{secrets.token_hex(3)}"
+            try:
+                seen = await sandbox.run(name, allocation.response)
+            except SandboxError as exc:
+                table.add_row(pod.name, "", f"[red]{exc}[/red]", "")
+                continue
+            devices = [f for f in seen.flags if "=" in f and not f.startswith("GPUPPETTI")]
+            table.add_row(
+                pod.name,
+                "\n".join(f"--device {d}" for d in devices if "/" in d.split("=", 1)[0]),
+                "\n".join(f"{k}={v}" for k, v in sorted(seen.env.items())),
+                " ".join(seen.dev),
+            )
+    return table
 
 
 def _slice_table(inventory: Inventory, kubelet: KubeletEmulator) -> Table:

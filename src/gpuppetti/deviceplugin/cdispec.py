@@ -35,16 +35,12 @@ def gpu_edits(gpu: Gpu) -> ContainerEdits:
     return edits
 
 
-def plugin_spec(gpus: Iterable[Gpu]) -> dict[str, Any]:
-    return cdi.build_spec(KIND, [(device_name(gpu), gpu_edits(gpu)) for gpu in gpus])
+def plugin_spec(gpus: Iterable[Gpu], kind: str = KIND) -> dict[str, Any]:
+    return cdi.build_spec(kind, [(device_name(gpu), gpu_edits(gpu)) for gpu in gpus])
 
 
-def spec_filename() -> str:
-    return cdi.spec_filename(KIND)
-
-
-def write_plugin_spec(directory: Path, inventory: Inventory) -> Path:
-    return cdi.write_spec(directory, spec_filename(), plugin_spec(inventory.gpus.values()))
+def write_plugin_spec(directory: Path, inventory: Inventory, kind: str = KIND) -> Path:
+    return cdi.write_spec(directory, cdi.spec_filename(kind), plugin_spec(inventory.gpus.values(), kind))
 
 
 def annotation_key(resource: str, unit_ids: Iterable[str]) -> str:

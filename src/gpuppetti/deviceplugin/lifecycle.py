@@ -67,9 +67,12 @@ class Backoff:
 class ResourceEndpoint:
     """One grpc.aio server on one Unix socket, serving one resource."""
 
-    def __init__(self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics) -> None:
+    def __init__(
+        self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics, cdi_kind: str = cdispec.KIND
+    ) -> None:
         self.resource = resource
         self._metrics = metrics
+        self._cdi_kind = cdi_kind
         self.socket_name = socket_name(resource)
         self.path = directory / self.socket_name
         self._inventory = inventory
@@ -99,7 +102,7 @@ class ResourceEndpoint:
                 self.path.unlink()
         server = grpc.aio.server()
         pb_grpc.add_DevicePluginServicer_to_server(
-            DevicePluginService(self._inventory, self.resource, self._metrics), server)
+            DevicePluginService(self._inventory, self.resource, self._metrics, self._cdi_kind), server)
         try:
             server.add_insecure_port(f"unix:{self.path}")
         except RuntimeError as exc:
@@ -136,12 +139,14 @@ class DevicePluginManager:
     """Runs every resource's endpoint, and keeps each registered with the kubelet."""
 
     def __init__(
-        self, inventory: Inventory, directory: Path, metrics: Metrics | None = None, cdi_dir: Path | None = None
+        self, inventory: Inventory, directory: Path, metrics: Metrics | None = None, cdi_dir: Path | None = None,
+        cdi_kind: str = cdispec.KIND,
     ) -> None:
         self._inventory = inventory
         self.directory = directory
         self.metrics = metrics or Metrics()
         self.cdi_dir = cdi_dir
+        self.cdi_kind = cdi_kind
         self.kubelet_socket = directory / KUBELET_SOCKET
         self._resources: dict[str, _Supervised] = {}
 
@@ -190,7 +195,7 @@ class DevicePluginManager:
         if self.cdi_dir is None or not any(s.startswith("cdi") for s in strategies):
             return
         try:
-            path = cdispec.write_plugin_spec(self.cdi_dir, self._inventory)
+            path = cdispec.write_plugin_spec(self.cdi_dir, self._inventory, self.cdi_kind)
         except OSError as exc:
             raise SocketDirError(f"cannot write the CDI spec into {self.cdi_dir}: {exc.strerror}") from exc
         log.info("wrote CDI spec %s", path)
@@ -202,7 +207,7 @@ class DevicePluginManager:
             self._write_cdi_spec()
             wanted = set(self._inventory.plan)
             for name in sorted(wanted - self._resources.keys()):
-                endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics)
+                endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics, self.cdi_kind)
                 wake = asyncio.Event()
                 task = group.create_task(self._supervise(endpoint, wake), name=f"device-plugin {name}")
                 self._resources[name] = _Supervised(endpoint, wake, task)

@@ -92,10 +92,11 @@ def resolve_request(inventory: Inventory, resource: str, ids: Sequence[str]) -> 
 
 
 class DevicePluginService(pb_grpc.DevicePluginServicer):
-    def __init__(self, inventory: Inventory, resource: str, metrics: Metrics) -> None:
+    def __init__(self, inventory: Inventory, resource: str, metrics: Metrics, cdi_kind: str = cdispec.KIND) -> None:
         self._inventory = inventory
         self._resource = resource
         self._metrics = metrics
+        self._cdi_kind = cdi_kind
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
@@ -169,7 +170,7 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{prefix}{exc}")
             strategies = inventory.config.plugin.device_list_strategy
             gpu_ids = list(dict.fromkeys(u.gpu_id for u in units))
-            names = [cdi.qualified_name(cdispec.KIND, cdispec.device_name(inventory.gpus[g])) for g in gpu_ids]
+            names = [cdi.qualified_name(self._cdi_kind, cdispec.device_name(inventory.gpus[g])) for g in gpu_ids]
             response.container_responses.append(edits_to_response(
                 container_edits(units, inventory.gpus), strategies, names,
                 cdispec.annotation_key(self._resource, [u.id for u in units]),
