@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit e2e lint typecheck proto bench clean
+.PHONY: demo test unit e2e lint typecheck proto deploy bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+deploy: $(STAMP)
+	$(BIN)/python tools/gen_deploy.py
 
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py

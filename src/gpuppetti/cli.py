@@ -135,6 +135,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_http(dra)
     _add_common(dra)
 
+    manifests = commands.add_parser(
+        "manifests", help="print ready-to-apply YAML for a cluster (gpuppetti manifests | kubectl apply -f -)",
+        description="Print the Namespace, ConfigMap, DaemonSet (and for DRA the RBAC and DeviceClasses) that run "
+        "gpuppetti on every node. The same objects as `kubectl kustomize deploy/base/<mode>` and the overlays.",
+    )
+    manifests.add_argument("--mode", choices=("plugin", "dra"), default="plugin",
+                           help="device plugin or DRA driver (default plugin)")
+    manifests.add_argument("--replicas", type=int, default=None, metavar="N",
+                           help="time-slice every GPU into N replicas (every vendor's default resource name)")
+    manifests.add_argument("--image", default=None, metavar="IMAGE", help="the gpuppetti image to run")
+    manifests.add_argument("--namespace", default=None, metavar="NS", help="namespace (default gpuppetti)")
+    source = manifests.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=("minikube-krunkit",), default=None,
+                        help="a ready config: minikube-krunkit serves the VM's virtio-gpu as apple.com/gpu")
+    source.add_argument("--config", type=Path, default=None, metavar="PATH",
+                        help="put this config file in the ConfigMap (validated first)")
+    _add_common(manifests, default_level="warning")
+
     demo = commands.add_parser(
         "demo", help="run the plugin on simulated GPUs against the built-in kubelet emulator",
         description="Start the device plugin with simulated GPUs (by default two Apple M3 Max, 40 cores, "
@@ -184,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _discover(args)
         if args.command == "dra":
             return _dra(args)
+        if args.command == "manifests":
+            return _manifests(args)
     except ConfigError as exc:
         return _fail(f"config error:\n{exc}", EXIT_CONFIG)
     except KeyboardInterrupt:
@@ -195,6 +215,31 @@ def _plugin(args: argparse.Namespace) -> int:
     from gpuppetti.deviceplugin.run import run_plugin
 
     return _run_daemon(run_plugin(_sources(args), args.device_plugin_dir, args.http_address, args.cdi_dir))
+
+
+def _manifests(args: argparse.Namespace) -> int:
+    from gpuppetti import manifests
+    from gpuppetti.config import load_config
+
+    if args.replicas is not None and not 1 <= args.replicas <= 1024:
+        return _fail(f"--replicas must be between 1 and 1024, got {args.replicas}", EXIT_CONFIG)
+    if args.config is not None and args.replicas is not None:
+        return _fail("--replicas applies to the generated config; set replicas in --config instead", EXIT_CONFIG)
+    config_text: str | None = None
+    if args.preset:
+        config_text = manifests.preset_config(args.preset, args.replicas)
+    elif args.config is not None:
+        load_config(args.config)
+        config_text = args.config.read_text(encoding="utf-8")
+    options = manifests.Options(
+        mode=args.mode,
+        namespace=args.namespace or manifests.DEFAULT_NAMESPACE,
+        image=args.image or manifests.DEFAULT_IMAGE,
+        config=config_text,
+        replicas=args.replicas,
+    )
+    sys.stdout.write(manifests.to_yaml(manifests.render(options)))
+    return EXIT_OK
 
 
 def _dra(args: argparse.Namespace) -> int:

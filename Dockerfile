@@ -1,0 +1,25 @@
+# gpuppetti: one image for `gpuppetti plugin` and `gpuppetti dra`.
+# Build: podman build -t gpuppetti:dev .   (or docker build)
+#
+# The container runs as root because the kubelet's sockets and directories (device-plugins, plugins_registry,
+# plugins, /var/run/cdi) belong to root on the node; the manifests drop every capability, forbid privilege
+# escalation and mount the root filesystem read-only.
+
+FROM python:3.11-slim-bookworm AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src ./src
+RUN python -m pip install --no-cache-dir --upgrade pip \
+ && python -m pip wheel --no-cache-dir --wheel-dir /wheels '.[nvml]'
+
+FROM python:3.11-slim-bookworm
+# pci.ids names AMD and Intel models from their PCI ids.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends pci.ids \
+ && rm -rf /var/lib/apt/lists/*
+COPY --from=build /wheels /wheels
+RUN python -m pip install --no-cache-dir --no-index /wheels/* && rm -rf /wheels
+ENV PYTHONUNBUFFERED=1
+EXPOSE 9400
+ENTRYPOINT ["gpuppetti"]
+CMD ["plugin", "--help"]

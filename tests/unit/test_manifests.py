@@ -1,0 +1,158 @@
+"""deploy/ and `gpuppetti manifests`: they agree, kustomize renders them, and every object validates."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gpuppetti import manifests
+from gpuppetti.config import DraSection, parse_config
+from gpuppetti.dra import opaque
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+VERSIONS = ("1.34", "1.35", "1.36")
+KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+sys.path.insert(0, str(ROOT / "tools"))
+import gen_deploy  # noqa: E402
+
+kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
+                             reason="kubectl is not installed, so `kubectl kustomize` cannot render deploy/")
+
+
+def _validate(objects: list[dict[str, Any]]) -> None:
+    assert objects
+    for obj in objects:
+        for version in VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def _kustomize(directory: Path) -> list[dict[str, Any]]:
+    result = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=False,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [o for o in yaml.safe_load_all(result.stdout) if o]
+
+
+def _cli(*args: str) -> list[dict[str, Any]]:
+    result = subprocess.run([sys.executable, "-m", "gpuppetti", "manifests", *args], capture_output=True,
+                            text=True, check=False, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [o for o in yaml.safe_load_all(result.stdout) if o]
+
+
+def _key(obj: dict[str, Any]) -> tuple[str, str, str]:
+    return (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+
+
+def _same(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> None:
+    assert sorted(left, key=_key) == sorted(right, key=_key)
+
+
+def test_bases_are_rendered_from_the_generator() -> None:
+    stale = [str(p.relative_to(ROOT)) for p, text in gen_deploy.rendered().items() if p.read_text() != text]
+    assert not stale, f"run `make deploy`: {stale}"
+
+
+@kubectl
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_kustomize_renders_and_every_object_validates(directory: Path) -> None:
+    _validate(_kustomize(directory))
+
+
+@kubectl
+@pytest.mark.parametrize(("directory", "args"), [
+    ("base/deviceplugin", ["--mode", "plugin"]),
+    ("base/dra", ["--mode", "dra"]),
+    ("overlays/minikube-krunkit", ["--mode", "plugin", "--preset", "minikube-krunkit"]),
+])
+def test_manifests_match_what_deploy_renders(directory: str, args: list[str]) -> None:
+    _same(_cli(*args), _kustomize(DEPLOY / directory))
+
+
+@pytest.mark.parametrize("args", [
+    ["--mode", "plugin", "--replicas", "8", "--image", "registry.local/gpuppetti:dev", "--namespace", "gpus"],
+    ["--mode", "dra", "--namespace", "gpus"],
+    ["--preset", "minikube-krunkit", "--replicas", "2"],
+])
+def test_manifests_output_validates(args: list[str]) -> None:
+    objects = _cli(*args)
+    _validate(objects)
+    [config_map] = [o for o in objects if o["kind"] == "ConfigMap"]
+    parse_config(config_map["data"]["config.yaml"], "configmap")
+    [daemonset] = [o for o in objects if o["kind"] == "DaemonSet"]
+    container = daemonset["spec"]["template"]["spec"]["containers"][0]
+    if "--image" in args:
+        assert container["image"] == "registry.local/gpuppetti:dev"
+    if "--namespace" in args:
+        assert {o["metadata"].get("namespace") for o in objects if "namespace" in o["metadata"]} == {"gpus"}
+
+
+def test_replicas_apply_to_every_vendor() -> None:
+    [config_map] = [o for o in _cli("--replicas", "3") if o["kind"] == "ConfigMap"]
+    config = parse_config(config_map["data"]["config.yaml"], "configmap")
+    resources = config.sharing.time_slicing.resources
+    assert {r.name for r in resources} == set(manifests.ALL_RESOURCES)
+    assert {r.replicas for r in resources} == {3}
+
+
+def test_minikube_preset_serves_the_virtio_gpu_as_apple_with_4_replicas() -> None:
+    config = parse_config(manifests.preset_config("minikube-krunkit", None), "preset")
+    assert (config.backend, config.virtio.vendor) == ("drm", "apple")
+    [resource] = config.sharing.time_slicing.resources
+    assert (resource.name, resource.replicas) == ("apple.com/gpu", 4)
+
+
+def test_daemonset_security_and_mounts() -> None:
+    plugin = manifests.device_plugin(manifests.Options())[0]
+    spec = plugin["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]}
+    assert mounts == {"/etc/gpuppetti": True, "/var/lib/kubelet/device-plugins": False, "/host/sys": True,
+                      "/host/dev": True}
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "$(POD_IP):9400" in container["args"]
+
+
+def test_broken_config_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: v1\nsharing: {timeSlicing: {resources: [{name: x, replicas: 2}]}}\n")
+    result = subprocess.run([sys.executable, "-m", "gpuppetti", "manifests", "--config", str(bad)],
+                            capture_output=True, text=True, check=False, timeout=60)
+    assert result.returncode == 2
+    assert f"{bad}: sharing.timeSlicing.resources[0].name" in result.stderr
+
+
+@pytest.mark.parametrize("path", sorted((DEPLOY / "examples").rglob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate(path: Path) -> None:
+    _validate([o for o in yaml.safe_load_all(path.read_text()) if o])
+
+
+def test_validation_really_rejects_bad_objects() -> None:
+    device_class = manifests.dra_driver(manifests.Options())[3]
+    assert device_class["kind"] == "DeviceClass"
+    device_class["spec"]["selector"] = device_class["spec"].pop("selectors")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(device_class, "1.34", strict=True)
+
+
+def test_device_class_selects_the_default_driver() -> None:
+    classes = [o for o in manifests.dra_driver(manifests.Options()) if o["kind"] == "DeviceClass"]
+    assert classes[0]["metadata"]["name"] == DraSection().driver_name
+    assert classes[0]["spec"]["extendedResourceName"] == "apple.com/gpu"
+
+
+def test_example_gpu_config_decodes() -> None:
+    [template] = yaml.safe_load_all((DEPLOY / "examples" / "dra" / "shared-gpu.yaml").read_text())
+    [entry] = template["spec"]["spec"]["devices"]["config"]
+    assert opaque.decode(entry["opaque"]["parameters"], "example").sharing.strategy == "TimeSlicing"
