@@ -23,6 +23,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.deviceplugin import cdispec
 from gpuppetti.deviceplugin.server import DevicePluginService
+from gpuppetti.grpcutil import new_server
 from gpuppetti.inventory import Inventory
 from gpuppetti.metrics import Metrics
 from gpuppetti.watch import Change, watch_directory
@@ -100,7 +101,7 @@ class ResourceEndpoint:
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(self.path.lstat().st_mode):
                 self.path.unlink()
-        server = grpc.aio.server()
+        server = new_server()
         pb_grpc.add_DevicePluginServicer_to_server(
             DevicePluginService(self._inventory, self.resource, self._metrics, self._cdi_kind), server)
         try:

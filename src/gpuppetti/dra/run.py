@@ -19,6 +19,7 @@ from gpuppetti.dra.paths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_RE
 from gpuppetti.dra.plugin import DraService, Registration, add_services
 from gpuppetti.dra.publisher import SlicePublisher
 from gpuppetti.dra.state import DraState
+from gpuppetti.grpcutil import new_server
 from gpuppetti.httpserver import HttpServer
 from gpuppetti.kube import ApiClaims, api_client, node_owner
 from gpuppetti.metrics import Metrics
@@ -105,10 +106,10 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
 
     dra_socket = plugin_dir / "dra.sock"
     registration_socket = options.registry_dir / f"{driver}-reg.sock"
-    dra_server = grpc.aio.server()
+    dra_server = new_server()
     add_services(dra_server, service, inventory, options.node_name)
     registration = Registration(driver, str(dra_socket.absolute()))
-    registration_server = grpc.aio.server()
+    registration_server = new_server()
     reg_grpc.add_RegistrationServicer_to_server(registration, registration_server)
 
     publisher = SlicePublisher(api, inventory, options.node_name, await node_owner(api, options.node_name), metrics)

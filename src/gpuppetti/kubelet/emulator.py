@@ -117,6 +117,7 @@ class KubeletEmulator:
         self.events: list[Event] = []
         self._server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
+        self._admission = asyncio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -287,8 +288,13 @@ class KubeletEmulator:
     async def admit(self, pod: Pod) -> list[ContainerAllocation]:
         """Allocate devices for every container of ``pod``, in the kubelet's order.
 
-        Raises AdmissionError (and releases what the pod got) when any container cannot be served.
+        Raises AdmissionError (and releases what the pod got) when any container cannot be served. Pods are
+        admitted one at a time, as the kubelet's admission does, so concurrent callers never share a device.
         """
+        async with self._admission:
+            return await self._admit(pod)
+
+    async def _admit(self, pod: Pod) -> list[ContainerAllocation]:
         if any(a.pod == pod.name for a in self.allocations):
             raise AdmissionError(f"pod {pod.name!r} is already admitted")
         result: list[ContainerAllocation] = []
