@@ -60,31 +60,33 @@ class DraService:
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | str]:
         answers: dict[str, list[PreparedDevice] | str] = {}
         with self._metrics.prepare_seconds.time():
-            for claim in claims:
-                try:
-                    answers[claim.uid] = await self.state.prepare(claim)
-                except PrepareError as exc:
-                    log.warning("prepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, exc)
-                    answers[claim.uid] = str(exc)
-                except Exception as exc:  # one claim's failure must not fail the others
-                    log.exception("prepare %s/%s (%s) failed", claim.namespace, claim.name, claim.uid)
-                    answers[claim.uid] = f"internal error: {exc}"
-                result = "error" if isinstance(answers[claim.uid], str) else "ok"
-                self._metrics.prepare_requests.labels(result).inc()
+            try:
+                results = await self.state.prepare(claims)
+            except Exception as exc:  # never a gRPC error: the kubelet would ignore every claim's answer
+                log.exception("prepare failed")
+                results = {claim.uid: PrepareError(f"internal error: {exc}") for claim in claims}
+        for claim in claims:
+            result = results[claim.uid]
+            if isinstance(result, PrepareError):
+                log.warning("prepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, result)
+                answers[claim.uid] = str(result)
+                self._metrics.prepare_requests.labels("error").inc()
+            else:
+                answers[claim.uid] = result
+                self._metrics.prepare_requests.labels("ok").inc()
         return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
-        answers: dict[str, str] = {}
+        error = ""
         with self._metrics.unprepare_seconds.time():
-            for claim in claims:
-                try:
-                    await self.state.unprepare(claim)
-                    answers[claim.uid] = ""
-                except Exception as exc:
-                    log.exception("unprepare %s (%s) failed", claim.name, claim.uid)
-                    answers[claim.uid] = f"internal error: {exc}"
-                self._metrics.unprepare_requests.labels("error" if answers[claim.uid] else "ok").inc()
-        return answers
+            try:
+                await self.state.unprepare(claims)
+            except Exception as exc:
+                log.exception("unprepare failed")
+                error = f"internal error: {exc}"
+        for _ in claims:
+            self._metrics.unprepare_requests.labels("error" if error else "ok").inc()
+        return {claim.uid: error for claim in claims}
 
 
 class DraPluginV1(v1_grpc.DRAPluginServicer):

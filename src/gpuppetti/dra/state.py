@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -42,6 +42,13 @@ class ClaimRef:
     namespace: str
     uid: str
     name: str
+
+
+@dataclass(frozen=True)
+class _Plan:
+    devices: list[PreparedDevice]
+    spec: dict[str, Any]
+    filename: str
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,8 @@ class DraState:
         self._claims = claims
         self.kind = kind
         self._lock = asyncio.Lock()
+        self._devices_cache: dict[str, DraDevice] = {}
+        self._devices_for = -1
 
     @property
     def section(self) -> DraSection:
@@ -141,25 +150,68 @@ class DraState:
                 restored += 1
         return restored
 
-    async def prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
-        async with self._lock:
-            record = self.checkpoint.claims.get(claim.uid)
-            if record is not None and record.state == COMPLETED:
-                if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
-                    cdi.write_spec(self.cdi_dir, record.cdi_file, record.cdi_spec)
-                return record.devices
-            try:
-                return await self._prepare(claim)
-            except BaseException:
-                self.fail(claim)
-                raise
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | PrepareError]:
+        """Prepare every claim of one kubelet call; each gets its devices or its own error.
 
-    async def _prepare(self, claim: ClaimRef) -> list[PreparedDevice]:
-        driver = self.section.driver_name
+        The checkpoint is written twice per call, however many claims it holds: once with every new claim
+        PrepareStarted (before any side effect), once with them PrepareCompleted (after their CDI specs).
+        """
+        async with self._lock:
+            answers: dict[str, list[PreparedDevice] | PrepareError] = {}
+            pending: list[ClaimRef] = []
+            for claim in claims:
+                record = self.checkpoint.claims.get(claim.uid)
+                if record is not None and record.state == COMPLETED:
+                    if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
+                        cdi.write_spec(self.cdi_dir, record.cdi_file, record.cdi_spec)
+                    answers[claim.uid] = record.devices
+                else:
+                    pending.append(claim)
+            objects = await asyncio.gather(*(self._read(claim) for claim in pending), return_exceptions=True)
+            planned: list[tuple[ClaimRef, _Plan]] = []
+            for claim, obj in zip(pending, objects, strict=True):
+                if isinstance(obj, PrepareError):
+                    answers[claim.uid] = obj
+                    continue
+                if isinstance(obj, BaseException):
+                    # The API server failing for one claim must not fail the others.
+                    answers[claim.uid] = PrepareError(
+                        f"reading ResourceClaim {claim.namespace}/{claim.name} failed: {obj}")
+                    continue
+                try:
+                    planned.append((claim, self._plan(claim, obj)))
+                except PrepareError as exc:
+                    answers[claim.uid] = exc
+            if not planned:
+                return answers
+            for claim, _ in planned:
+                self.checkpoint.claims[claim.uid] = ClaimRecord(claim.uid, claim.namespace, claim.name, STARTED)
+            self.checkpoint.save()
+            for claim, plan in planned:
+                try:
+                    cdi.write_spec(self.cdi_dir, plan.filename, plan.spec)
+                except OSError as exc:
+                    del self.checkpoint.claims[claim.uid]
+                    answers[claim.uid] = PrepareError(f"writing the CDI spec into {self.cdi_dir} failed: {exc}")
+                    continue
+                self.checkpoint.claims[claim.uid] = ClaimRecord(
+                    claim.uid, claim.namespace, claim.name, COMPLETED, plan.devices, plan.spec, plan.filename
+                )
+                answers[claim.uid] = plan.devices
+                log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid,
+                         ", ".join(d.device for d in plan.devices))
+            self.checkpoint.save()
+            return answers
+
+    async def _read(self, claim: ClaimRef) -> dict[str, Any]:
         try:
-            obj = await self._claims.get_claim(claim.namespace, claim.name)
+            return await self._claims.get_claim(claim.namespace, claim.name)
         except ClaimNotFound as exc:
             raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} not found: {exc}") from exc
+
+    def _plan(self, claim: ClaimRef, obj: dict[str, Any]) -> _Plan:
+        """Everything Prepare will do for ``claim``, computed before anything is written."""
+        driver = self.section.driver_name
         uid = (obj.get("metadata") or {}).get("uid")
         if uid != claim.uid:
             raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} was replaced: its uid is {uid}, "
@@ -171,11 +223,8 @@ class DraState:
         if not results:
             raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} has no devices of driver {driver}")
 
-        self.checkpoint.claims[claim.uid] = ClaimRecord(claim.uid, claim.namespace, claim.name, STARTED)
-        self.checkpoint.save()
-
         gpus = self._inventory.gpus
-        devices = pool_devices(gpus, self.section)
+        devices = self._devices()
         by_request: dict[str, list[_Share]] = {}
         problems: list[str] = []
         for result in results:
@@ -210,28 +259,24 @@ class DraState:
                 # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
                 ids = [cdi.qualified_name(self.kind, cdi_name)] if position == 0 else []
                 prepared.append(PreparedDevice([request], self.node, share.device.name, ids, share.share_id))
-        spec = cdi.build_spec(self.kind, cdi_devices)
-        filename = cdi.spec_filename(self.kind, claim.uid)
-        cdi.write_spec(self.cdi_dir, filename, spec)
-        self.checkpoint.claims[claim.uid] = ClaimRecord(
-            claim.uid, claim.namespace, claim.name, COMPLETED, prepared, spec, filename
-        )
-        self.checkpoint.save()
-        log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid,
-                 ", ".join(d.device for d in prepared))
-        return prepared
+        return _Plan(prepared, cdi.build_spec(self.kind, cdi_devices), cdi.spec_filename(self.kind, claim.uid))
 
-    async def unprepare(self, claim: ClaimRef) -> None:
+    def _devices(self) -> dict[str, DraDevice]:
+        version = self._inventory.version
+        if self._devices_for != version:
+            self._devices_cache = pool_devices(self._inventory.gpus, self.section)
+            self._devices_for = version
+        return self._devices_cache
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> None:
+        """Forget every claim of one call; a claim that was never prepared is simply not there."""
         async with self._lock:
-            record = self.checkpoint.claims.pop(claim.uid, None)
-            cdi.remove_spec(self.cdi_dir, cdi.spec_filename(self.kind, claim.uid))
-            if record is not None:
+            forgotten = False
+            for claim in claims:
+                record = self.checkpoint.claims.pop(claim.uid, None)
+                cdi.remove_spec(self.cdi_dir, cdi.spec_filename(self.kind, claim.uid))
+                if record is not None:
+                    forgotten = True
+                    log.info("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
+            if forgotten:
                 self.checkpoint.save()
-                log.info("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
-
-    def fail(self, claim: ClaimRef) -> None:
-        """Forget a claim whose preparation failed, so that a retry starts clean."""
-        record = self.checkpoint.claims.get(claim.uid)
-        if record is not None and record.state == STARTED:
-            del self.checkpoint.claims[claim.uid]
-            self.checkpoint.save()
