@@ -25,7 +25,7 @@ e2e: $(STAMP)
 	$(BIN)/python -m pytest tests/e2e
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests tools
+	$(BIN)/ruff check src tests tools bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -38,3 +38,6 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+
+bench: $(STAMP)
+	PYTHONPATH=. $(BIN)/python bench/run.py --json bench/results.json

@@ -142,8 +142,10 @@ def spec_filename(kind: str, identifier: str | None = None) -> str:
 
 
 def write_spec(directory: Path, filename: str, spec: dict[str, Any]) -> Path:
+    """Atomically, since runtimes read specs at any moment; not durably, since /var/run/cdi is tmpfs anyway and
+    every writer here re-creates its specs when it starts (the DRA driver from its checkpoint)."""
     path = directory / filename
-    atomic_write(path, json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n")
+    atomic_write(path, json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n", durable=False)
     return path
 
 

@@ -258,12 +258,11 @@ def _sources(args: argparse.Namespace) -> Sources:
 
 def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
     """Run a long-running command; a failure we expect becomes one clear line, not a traceback."""
-    from gpuppetti.daemon import NoGpusError
+    from gpuppetti.daemon import NoGpusError, StartupError
     from gpuppetti.discovery import BackendUnavailable
-    from gpuppetti.dra.run import DraStartupError
     from gpuppetti.httpserver import AddressError
 
-    expected = (SocketDirError, NoGpusError, BackendUnavailable, DraStartupError, AddressError)
+    expected = (SocketDirError, NoGpusError, BackendUnavailable, StartupError, AddressError)
     try:
         asyncio.run(main)
     except expected as exc:

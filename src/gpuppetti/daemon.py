@@ -23,6 +23,10 @@ class NoGpusError(Exception):
     pass
 
 
+class StartupError(Exception):
+    """A long-running command cannot start; the message says why and what to do."""
+
+
 @dataclass(frozen=True)
 class Sources:
     """Where the config and the hardware come from."""

@@ -4,28 +4,40 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from pathlib import Path
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write to a temporary file beside ``path``, fsync it, rename it over ``path``, and fsync the directory."""
+def sync_directory(directory: Path) -> None:
+    """Make renames in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
+    """Write to a temporary file beside ``path`` and rename it over ``path``: readers see old or new, never half.
+
+    ``durable`` also fsyncs the file and the directory, so the new content survives a power cut; files that are
+    re-derived from durable state at start can skip that cost. Callers serialise their writes to one path
+    (the temporary name is fixed).
+    """
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    temporary = directory / f".{path.name}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.chmod(temporary, mode)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if durable:
+        sync_directory(directory)

@@ -1,11 +1,18 @@
-"""The one TCP listener: /healthz (ready), /livez (alive) and /metrics, on localhost unless told otherwise."""
+"""The one TCP listener: /healthz (ready), /livez (alive) and /metrics, on localhost unless told otherwise.
+
+It is the standard library's WSGI server on a thread of its own, serving prometheus-client's exposition: small
+enough that the device plugin stays within its memory budget, and unaffected by a busy event loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuppetti.metrics import Metrics
@@ -14,6 +21,7 @@ log = logging.getLogger(__name__)
 
 # Returns None when ready, else what it is still waiting for.
 Readiness = Callable[[], str | None]
+POLL_INTERVAL_S = 1.0
 
 
 class AddressError(ValueError):
@@ -27,45 +35,60 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+class _ThreadingServer(WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http: " + format, *args)
+
+
 class HttpServer:
     def __init__(self, metrics: Metrics, readiness: Readiness) -> None:
         self._metrics = metrics
         self._readiness = readiness
-        self._runner: web.AppRunner | None = None
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
         self.address = ""
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [("Content-Type", "text/plain")])
+            return [b"only GET\n"]
+        if path in ("/healthz", "/readyz"):
+            waiting = self._readiness()
+            if waiting is None:
+                start_response("200 OK", [("Content-Type", "text/plain")])
+                return [b"ok\n"]
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [f"not ready: {waiting}\n".encode()]
+        if path == "/livez":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok\n"]
+        if path == "/metrics":
+            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
+            return [generate_latest(self._metrics.registry)]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: try /healthz, /livez or /metrics\n"]
 
     async def start(self, address: str) -> None:
         host, port = parse_address(address)
-        app = web.Application()
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/readyz", self._healthz)
-        app.router.add_get("/livez", self._livez)
-        app.router.add_get("/metrics", self._metrics_page)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, host, port).start()
+            server = make_server(host, port, self._app, server_class=_ThreadingServer, handler_class=_QuietHandler)
         except OSError as exc:
-            await self._runner.cleanup()
             raise AddressError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
-        bound = self._runner.addresses[0]
-        self.address = f"{bound[0]}:{bound[1]}"
+        self._server = server
+        self.address = f"{host}:{server.server_port}"
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": POLL_INTERVAL_S}, name="http", daemon=True)
+        self._thread.start()
         log.info("serving /healthz and /metrics on http://%s", self.address)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _healthz(self, request: web.Request) -> web.Response:
-        waiting = self._readiness()
-        if waiting is None:
-            return web.Response(text="ok\n")
-        return web.Response(status=503, text=f"not ready: {waiting}\n")
-
-    async def _livez(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
-
-    async def _metrics_page(self, request: web.Request) -> web.Response:
-        body = generate_latest(self._metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await asyncio.to_thread(server.shutdown)
+        server.server_close()

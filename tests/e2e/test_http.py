@@ -25,7 +25,11 @@ async def test_healthz_is_ready_once_registered_and_metrics_count(
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     url = await plugin.http_url()
-    status, text = await _get(f"{url}/healthz")
+    # No kubelet yet: not ready, and the answer says what it waits for.
+    async with asyncio.timeout(10):
+        while "no resource is being served yet" in (text := (await _get(f"{url}/healthz"))[1]):
+            await asyncio.sleep(0.02)
+    status = (await _get(f"{url}/healthz"))[0]
     assert status == 503 and "not registered with the kubelet: apple.com/gpu" in text
     assert (await _get(f"{url}/livez"))[0] == 200
 

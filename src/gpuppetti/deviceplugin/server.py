@@ -26,16 +26,41 @@ class RequestError(Exception):
     """A request the plugin refuses; becomes INVALID_ARGUMENT with this message."""
 
 
-def device_list(inventory: Inventory, plan: ResourcePlan | None) -> pb.ListAndWatchResponse:
-    devices = []
-    if plan is not None:
+class DeviceLists:
+    """Builds ListAndWatch responses, reusing each unit's Device message while its GPU's state is unchanged.
+
+    Building 10,000 Device messages costs more than copying them, and a health change touches one GPU's units.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[tuple[str, int | None], pb.Device]] = {}
+
+    def build(self, inventory: Inventory, plan: ResourcePlan | None) -> pb.ListAndWatchResponse:
+        response = pb.ListAndWatchResponse()
+        if plan is None:
+            return response
+        devices = []
+        cache = self._cache
+        fresh: dict[str, tuple[tuple[str, int | None], pb.Device]] = {}
         for unit in plan.units:
             gpu = inventory.gpus[unit.gpu_id]
-            device = pb.Device(ID=unit.id, health=str(gpu.health))
-            if gpu.numa_node is not None and gpu.numa_node >= 0:
-                device.topology.nodes.add(ID=gpu.numa_node)
+            state = (str(gpu.health), gpu.numa_node)
+            cached = cache.get(unit.id)
+            if cached is not None and cached[0] == state:
+                device = cached[1]
+            else:
+                device = pb.Device(ID=unit.id, health=state[0])
+                if gpu.numa_node is not None and gpu.numa_node >= 0:
+                    device.topology.nodes.add(ID=gpu.numa_node)
+            fresh[unit.id] = (state, device)
             devices.append(device)
-    return pb.ListAndWatchResponse(devices=devices)
+        self._cache = fresh
+        response.devices.extend(devices)
+        return response
+
+
+def device_list(inventory: Inventory, plan: ResourcePlan | None) -> pb.ListAndWatchResponse:
+    return DeviceLists().build(inventory, plan)
 
 
 def edits_to_response(
@@ -109,9 +134,10 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         inventory = self._inventory
         seen = inventory.version
         last: pb.ListAndWatchResponse | None = None
+        lists = DeviceLists()
         log.info("%s: kubelet opened ListAndWatch", self._resource)
         while True:
-            current = device_list(inventory, inventory.resource(self._resource))
+            current = lists.build(inventory, inventory.resource(self._resource))
             # Health or config changes elsewhere in the inventory need not reach this resource's kubelet.
             if current != last:
                 yield current

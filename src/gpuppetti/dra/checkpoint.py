@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -45,9 +45,21 @@ class ClaimRecord:
     cdi_file: str | None = None
 
 
+def _canonical(claims: dict[str, Any]) -> str:
+    return json.dumps(claims, sort_keys=True, separators=(",", ":"))
+
+
 def _checksum(claims: dict[str, Any]) -> str:
-    canonical = json.dumps(claims, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(canonical).hexdigest()
+    return hashlib.sha256(_canonical(claims).encode()).hexdigest()
+
+
+def _as_json(record: ClaimRecord) -> dict[str, Any]:
+    # By hand rather than dataclasses.asdict, which deep-copies every CDI spec on every save.
+    return {
+        "uid": record.uid, "namespace": record.namespace, "name": record.name, "state": record.state,
+        "devices": [vars(device) for device in record.devices],
+        "cdi_spec": record.cdi_spec, "cdi_file": record.cdi_file,
+    }
 
 
 class CorruptCheckpoint(Exception):
@@ -102,6 +114,8 @@ class Checkpoint:
             return str(aside)
 
     def save(self) -> None:
-        claims = {uid: asdict(record) for uid, record in self.claims.items()}
-        document = {"version": VERSION, "checksum": _checksum(claims), "claims": claims}
-        atomic_write(self.path, json.dumps(document, indent=1, sort_keys=True).encode(), mode=0o600)
+        canonical = _canonical({uid: _as_json(record) for uid, record in self.claims.items()})
+        checksum = hashlib.sha256(canonical.encode()).hexdigest()
+        # The claims are serialised once, for the checksum and the file alike.
+        document = f'{{"version":"{VERSION}","checksum":"{checksum}","claims":{canonical}}}\n'
+        atomic_write(self.path, document.encode(), mode=0o600)

@@ -13,7 +13,7 @@ import grpc
 
 from gpuppetti import cdi
 from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from gpuppetti.daemon import Sources, reload, serve_until_signalled, start_inventory
+from gpuppetti.daemon import Sources, StartupError, reload, serve_until_signalled, start_inventory
 from gpuppetti.dra.checkpoint import Checkpoint
 from gpuppetti.dra.paths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.dra.plugin import DraService, Registration, add_services
@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.json"
 STOP_GRACE_S = 1.0
-
-
-class DraStartupError(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -55,7 +51,7 @@ async def _serve_socket(server: grpc.aio.Server, path: Path) -> None:
     try:
         server.add_insecure_port(f"unix:{path}")
     except RuntimeError as exc:
-        raise DraStartupError(f"cannot create socket {path}: {exc}") from exc
+        raise StartupError(f"cannot create socket {path}: {exc}") from exc
     await server.start()
     os.chmod(path, 0o600)
 
@@ -77,7 +73,7 @@ async def _keep_cdi_specs(state: DraState) -> None:
 
 async def run_dra(sources: Sources, options: DraOptions) -> None:
     if not options.node_name:
-        raise DraStartupError("the node name is required: pass --node-name or set NODE_NAME "
+        raise StartupError("the node name is required: pass --node-name or set NODE_NAME "
                               "(in a DaemonSet, from the downward API: fieldRef spec.nodeName)")
     inventory, monitor = await start_inventory(sources, require_gpus=False)
     driver = inventory.config.dra.driver_name
@@ -86,13 +82,13 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise DraStartupError(f"cannot create {directory}: {exc.strerror}") from exc
+            raise StartupError(f"cannot create {directory}: {exc.strerror}") from exc
 
     try:
         api = await api_client(options.kubeconfig)
     except Exception as exc:
         where = options.kubeconfig or "the in-cluster service account"
-        raise DraStartupError(f"cannot configure the Kubernetes API client from {where}: {exc}") from exc
+        raise StartupError(f"cannot configure the Kubernetes API client from {where}: {exc}") from exc
 
     checkpoint = Checkpoint(plugin_dir / CHECKPOINT_FILE)
     checkpoint.load()

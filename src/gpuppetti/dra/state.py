@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -167,7 +168,9 @@ class DraState:
                     answers[claim.uid] = record.devices
                 else:
                     pending.append(claim)
+            began = time.perf_counter()
             objects = await asyncio.gather(*(self._read(claim) for claim in pending), return_exceptions=True)
+            read = time.perf_counter()
             planned: list[tuple[ClaimRef, _Plan]] = []
             for claim, obj in zip(pending, objects, strict=True):
                 if isinstance(obj, PrepareError):
@@ -201,6 +204,8 @@ class DraState:
                 log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid,
                          ", ".join(d.device for d in plan.devices))
             self.checkpoint.save()
+            log.debug("prepared %d claim(s): reading them took %.1f ms, the rest %.1f ms", len(planned),
+                      (read - began) * 1000, (time.perf_counter() - read) * 1000)
             return answers
 
     async def _read(self, claim: ClaimRef) -> dict[str, Any]:

@@ -411,7 +411,8 @@ class ApiStandIn:
                     break
                 if not await self._wait_past(position, remaining):
                     break
+            await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
+            # The client went away (or the server is stopping): nothing is left to tell it.
             return response
-        await response.write_eof()
         return response
