@@ -68,6 +68,16 @@ def _add_discovery(parser: argparse.ArgumentParser) -> None:
         help="where the host's /sys, /dev and /proc are mounted, e.g. /host in a DaemonSet "
         "(env GPUPPETTI_HOST_ROOT; default /)",
     )
+    parser.add_argument(
+        "--host-agent", default=os.environ.get("GPUPPETTI_HOST_AGENT"), metavar="URL",
+        help="a gpuppetti host-agent on the Mac, e.g. http://host.minikube.internal:9410, whose facts (model, "
+        "cores, memory) the virtio-gpu takes (env GPUPPETTI_HOST_AGENT; default: the config's hostAgent.url)",
+    )
+    parser.add_argument(
+        "--host-agent-token-file", type=Path, default=_env_path("GPUPPETTI_HOST_AGENT_TOKEN_FILE"), metavar="FILE",
+        help="the agent's bearer token (env GPUPPETTI_HOST_AGENT_TOKEN_FILE; default: the config's "
+        "hostAgent.tokenFile, /var/run/secrets/gpuppetti-host-agent/token)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where the CDI spec goes when plugin.deviceListStrategy includes a CDI strategy "
         f"(env GPUPPETTI_CDI_DIR; default {DEFAULT_CDI_DIR})",
     )
+    plugin.add_argument(
+        "--label-node", action="store_true", default=os.environ.get("GPUPPETTI_LABEL_NODE") == "true",
+        help="label this node with its GPU (gpuppetti.dev/gpu.vendor, .model, .cores, .memory, .count, .replicas, "
+        ".sharing-strategy) and keep the labels current; needs RBAC to get and patch its Node "
+        "(env GPUPPETTI_LABEL_NODE=true)",
+    )
+    plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""), metavar="NAME",
+                        help="this node's name, for --label-node (env NODE_NAME)")
+    plugin.add_argument("--kubeconfig", type=Path, default=_env_path("KUBECONFIG"), metavar="PATH",
+                        help="kubeconfig for --label-node (env KUBECONFIG; default: the in-cluster service account)")
     _add_discovery(plugin)
     _add_http(plugin)
     _add_common(plugin)
@@ -146,12 +166,33 @@ def build_parser() -> argparse.ArgumentParser:
                            help="time-slice every GPU into N replicas (every vendor's default resource name)")
     manifests.add_argument("--image", default=None, metavar="IMAGE", help="the gpuppetti image to run")
     manifests.add_argument("--namespace", default=None, metavar="NS", help="namespace (default gpuppetti)")
+    manifests.add_argument("--label-node", action="store_true",
+                           help="device plugin: label each node with its GPU, with the RBAC to patch Nodes")
     source = manifests.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=("minikube-krunkit",), default=None,
                         help="a ready config: minikube-krunkit serves the VM's virtio-gpu as apple.com/gpu")
     source.add_argument("--config", type=Path, default=None, metavar="PATH",
                         help="put this config file in the ConfigMap (validated first)")
     _add_common(manifests, default_level="warning")
+
+    agent = commands.add_parser(
+        "host-agent", help="on a Mac: serve its GPU's facts to the plugin inside a krunkit VM",
+        description="Serve the Mac's GPU inventory (model, cores, unified memory, Metal's recommended working "
+        "set, Metal family, live utilisation and in-use memory) as JSON at /v1/gpus. Every request needs the "
+        "bearer token, generated on first start and stored with mode 0600; the first start prints the kubectl "
+        "command that gives it to the cluster. Needs no root.",
+    )
+    agent.add_argument("--listen", default=os.environ.get("GPUPPETTI_HOST_AGENT_LISTEN", "127.0.0.1:9410"),
+                       metavar="ADDR:PORT",
+                       help="where to listen (env GPUPPETTI_HOST_AGENT_LISTEN; default 127.0.0.1:9410). The VM "
+                       "reaches the Mac at the address host.minikube.internal resolves to: listen there, or on "
+                       "0.0.0.0:9410")
+    agent.add_argument("--token-file", type=Path, default=None, metavar="FILE",
+                       help="where the token is kept (default: the user's config directory, host-agent.token)")
+    agent.add_argument("--interval", type=float, default=5.0, metavar="SECONDS",
+                       help="how often to refresh utilisation and in-use memory from ioreg (default 5)")
+    agent.add_argument("--namespace", default="gpuppetti", help="the namespace in the printed kubectl command")
+    _add_common(agent)
 
     demo = commands.add_parser(
         "demo", help="run the plugin on simulated GPUs against the built-in kubelet emulator",
@@ -204,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _dra(args)
         if args.command == "manifests":
             return _manifests(args)
+        if args.command == "host-agent":
+            return _host_agent(args)
     except ConfigError as exc:
         return _fail(f"config error:\n{exc}", EXIT_CONFIG)
     except KeyboardInterrupt:
@@ -212,9 +255,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plugin(args: argparse.Namespace) -> int:
-    from gpuppetti.deviceplugin.run import run_plugin
+    from gpuppetti.deviceplugin.run import Labelling, run_plugin
 
-    return _run_daemon(run_plugin(_sources(args), args.device_plugin_dir, args.http_address, args.cdi_dir))
+    labelling = Labelling(args.node_name, args.kubeconfig) if args.label_node else None
+    return _run_daemon(run_plugin(_sources(args), args.device_plugin_dir, args.http_address, args.cdi_dir, labelling))
+
+
+def _host_agent(args: argparse.Namespace) -> int:
+    from gpuppetti.hostagent import token
+    from gpuppetti.hostagent.run import run_agent
+
+    path = args.token_file or token.default_token_path()
+    secret, created = token.load_or_create(path)
+    if created:
+        print(f"gpuppetti host-agent: created a token in {path} (mode 0600). Give it to the cluster once:\n\n"
+              f"  {token.secret_command(secret, args.namespace)}\n", flush=True)
+    from gpuppetti.httpserver import AddressError, parse_address
+
+    try:
+        host, port = parse_address(args.listen)
+    except AddressError as exc:
+        return _fail(str(exc), EXIT_CONFIG)
+    return _run_daemon(run_agent(secret, host, port, args.interval))
 
 
 def _manifests(args: argparse.Namespace) -> int:
@@ -237,6 +299,7 @@ def _manifests(args: argparse.Namespace) -> int:
         image=args.image or manifests.DEFAULT_IMAGE,
         config=config_text,
         replicas=args.replicas,
+        label_node=args.label_node,
     )
     sys.stdout.write(manifests.to_yaml(manifests.render(options)))
     return EXIT_OK
@@ -253,7 +316,7 @@ def _dra(args: argparse.Namespace) -> int:
 def _sources(args: argparse.Namespace) -> Sources:
     from gpuppetti.daemon import Sources
 
-    return Sources(args.config, args.backend, args.host_root)
+    return Sources(args.config, args.backend, args.host_root, args.host_agent, args.host_agent_token_file)
 
 
 def _run_daemon(main: Coroutine[Any, Any, None]) -> int:

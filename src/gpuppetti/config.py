@@ -109,9 +109,19 @@ class HealthSection(_Strict):
     recovery_period: Seconds = Field(default=60.0, ge=0)
 
 
+class HostAgentSection(_Strict):
+    """Where the Mac's host agent answers, for a virtio-gpu that is really the Mac's GPU."""
+
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    token_file: str = "/var/run/secrets/gpuppetti-host-agent/token"
+    poll_interval: Seconds = Field(default=10.0, gt=0)
+
+
 class ReplicatedResource(_Strict):
     name: ResourceName
-    replicas: int = Field(ge=1, le=1024)
+    replicas: int | None = Field(default=None, ge=1, le=1024)
+    # Instead of a fixed count: one replica per this many cores (10 gives 4 slices on a 40-core GPU).
+    replicas_per_cores: int | None = Field(default=None, ge=1, le=10000)
     rename: ResourceName | None = None
     # GPU indexes or ids. None means every GPU of the resource.
     devices: list[str | int] | None = None
@@ -120,7 +130,15 @@ class ReplicatedResource(_Strict):
     def _devices_not_empty(self) -> ReplicatedResource:
         if self.devices is not None and not self.devices:
             raise ValueError("devices: must list at least one GPU index or id when given")
+        if (self.replicas is None) == (self.replicas_per_cores is None):
+            raise ValueError("give exactly one of replicas and replicasPerCores")
         return self
+
+    def replicas_for(self, cores: int | None) -> int:
+        if self.replicas is not None:
+            return self.replicas
+        assert self.replicas_per_cores is not None
+        return max(1, (cores or 0) // self.replicas_per_cores)
 
 
 class TimeSlicing(_Strict):
@@ -196,6 +214,7 @@ class Config(_Strict):
     simulated: SimulatedSection = Field(default_factory=SimulatedSection)
     virtio: VirtioSection = Field(default_factory=VirtioSection)
     health: HealthSection = Field(default_factory=HealthSection)
+    host_agent: HostAgentSection = Field(default_factory=HostAgentSection)
     sharing: Sharing = Field(default_factory=Sharing)
     plugin: PluginSection = Field(default_factory=PluginSection)
     dra: DraSection = Field(default_factory=DraSection)

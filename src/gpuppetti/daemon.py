@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuppetti.config import Config, ConfigError, load_config
 from gpuppetti.discovery import Backend, BackendUnavailable, backends_for, discover, looked_at
+from gpuppetti.hostagent.client import HostAgentSource
 from gpuppetti.inventory import Inventory
 from gpuppetti.model import Gpu
 from gpuppetti.monitor import HealthMonitor
@@ -34,6 +35,8 @@ class Sources:
     config_path: Path | None
     backend: str | None = None
     host_root: Path = Path("/")
+    host_agent_url: str | None = None
+    host_agent_token_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -42,14 +45,29 @@ class Discovered:
     backends: list[Backend]
     gpus: list[Gpu]
     skipped: list[str]
+    agent: HostAgentSource | None = None
 
 
-def load_and_discover(sources: Sources) -> Discovered:
+def host_agent(sources: Sources, config: Config) -> HostAgentSource | None:
+    """The host agent to ask about a virtio-gpu, from the flags or the config; None when there is none."""
+    url = sources.host_agent_url or config.host_agent.url
+    if not url:
+        return None
+    token_file = sources.host_agent_token_file or Path(config.host_agent.token_file)
+    return HostAgentSource(url, token_file)
+
+
+def load_and_discover(sources: Sources, agent: HostAgentSource | None = None) -> Discovered:
     """Everything that can fail before serving: the config, the backends and what they find."""
     config = load_config(sources.config_path)
+    if agent is None:
+        agent = host_agent(sources, config)
+        if agent is not None:
+            # Once before discovering, so that the first list already has the Mac's facts when it answers.
+            agent.fetch_once()
     skipped: list[str] = []
-    backends = backends_for(config, sources.backend, sources.host_root, skipped)
-    return Discovered(config, backends, discover(backends), skipped)
+    backends = backends_for(config, sources.backend, sources.host_root, skipped, agent)
+    return Discovered(config, backends, discover(backends), skipped, agent)
 
 
 def nothing_found(found: Discovered) -> str:
@@ -67,14 +85,17 @@ async def start_inventory(sources: Sources, require_gpus: bool = True) -> tuple[
     inventory = Inventory(found.config, found.gpus)
     log.info("found %d GPU(s) with %s: %s", len(found.gpus), ", ".join(b.name for b in found.backends),
              describe(found.gpus))
-    return inventory, HealthMonitor(inventory, found.backends)
+    return inventory, HealthMonitor(inventory, found.backends, found.agent)
 
 
 async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor) -> None:
-    """SIGHUP: apply a new config if it is valid as a whole; otherwise keep serving the old one."""
+    """SIGHUP: apply a new config if it is valid as a whole; otherwise keep serving the old one.
+
+    The host agent's address is read at start only; a reload keeps asking the same agent.
+    """
     log.info("received SIGHUP; reloading %s", sources.config_path or "the built-in defaults")
     try:
-        found = await asyncio.to_thread(load_and_discover, sources)
+        found = await asyncio.to_thread(load_and_discover, sources, monitor.agent)
         await inventory.replace(found.config, found.gpus)
     except (ConfigError, BackendUnavailable) as exc:
         log.error("config reload failed; keeping the previous config:\n%s", exc)

@@ -51,9 +51,11 @@ class Inventory:
         gpu_list = list(gpus)
         plan = build_plan(gpu_list, config.sharing.time_slicing, config.source)
         new_gpus = {gpu.id: gpu for gpu in gpu_list}
-        if config == self._config and new_gpus == self._gpus:
-            return
+        unchanged = config == self._config and new_gpus == self._gpus
         self._config, self._gpus, self._plan = config, new_gpus, plan
+        if unchanged:
+            # Telemetry and where facts came from are not part of a GPU's identity: keep them fresh, wake no one.
+            return
         await self._bump()
 
     async def update_gpus(self, gpus: Iterable[Gpu]) -> None:

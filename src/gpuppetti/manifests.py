@@ -34,6 +34,10 @@ PRESETS: dict[str, str] = {
         backend: drm
         virtio:
           vendor: apple
+        # The Mac's own facts (model, cores, memory), from `gpuppetti host-agent` on the Mac, once its token is in
+        # the gpuppetti-host-agent Secret; until then the plugin serves the virtio GPU as configured here.
+        hostAgent:
+          url: http://host.minikube.internal:9410
         sharing:
           timeSlicing:
             resources:
@@ -55,6 +59,7 @@ class Options:
     image: str = DEFAULT_IMAGE
     config: str | None = None
     replicas: int | None = None
+    label_node: bool = False
 
 
 def default_config(replicas: int | None) -> str:
@@ -147,7 +152,29 @@ def device_plugin(options: Options) -> list[dict[str, Any]]:
     mounts, volumes = _host_mounts()
     mounts.insert(0, {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"})
     volumes.insert(0, _host_path("device-plugins", "/var/lib/kubelet/device-plugins"))
-    return [_daemonset(options, "device-plugin", ["plugin", *_common_args()], mounts, volumes, None)]
+    # The host agent's token, where a Mac runs one; optional, so that nodes without it start the same.
+    mounts.append({"name": "host-agent-token", "mountPath": "/var/run/secrets/gpuppetti-host-agent",
+                   "readOnly": True})
+    volumes.append({"name": "host-agent-token", "secret": {"secretName": "gpuppetti-host-agent", "optional": True}})
+    args = ["plugin", *_common_args()]
+    objects: list[dict[str, Any]] = []
+    account = None
+    if options.label_node:
+        account = "gpuppetti-device-plugin"
+        args.append("--label-node")
+        objects += [
+            {"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": _metadata(account, options.namespace, "device-plugin")},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": _metadata(account, None, "device-plugin"),
+             # Only get and patch: the plugin reads its Node and merges its gpuppetti.dev/ labels.
+             "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": _metadata(account, None, "device-plugin"),
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": account},
+             "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": options.namespace}]},
+        ]
+    return [*objects, _daemonset(options, "device-plugin", args, mounts, volumes, account)]
 
 
 def dra_driver(options: Options) -> list[dict[str, Any]]:

@@ -78,6 +78,9 @@ class Gpu:
     # Live telemetry: not part of the GPU's identity, so a change in it wakes no consumer.
     utilization_percent: int | None = field(default=None, compare=False)
     memory_used_bytes: int | None = field(default=None, compare=False)
+    # Where model, cores and memory came from when the hardware cannot tell: "config", "host-agent", or
+    # "host-agent (stale)" once the agent stopped answering and its last facts are kept.
+    facts: str | None = field(default=None, compare=False)
 
     @property
     def resource_name(self) -> str:

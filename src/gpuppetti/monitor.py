@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from gpuppetti.config import ConfigError
 from gpuppetti.discovery import Backend, EventSource, discover
+from gpuppetti.hostagent.client import HostAgentSource
 from gpuppetti.inventory import Inventory
 from gpuppetti.model import Gpu, Health, HealthEvent
 
@@ -32,9 +33,12 @@ class _Fault:
 
 
 class HealthMonitor:
-    def __init__(self, inventory: Inventory, backends: Sequence[Backend]) -> None:
+    def __init__(
+        self, inventory: Inventory, backends: Sequence[Backend], agent: HostAgentSource | None = None
+    ) -> None:
         self._inventory = inventory
         self._backends = list(backends)
+        self.agent = agent
         self._faults: dict[str, _Fault] = {}
         self._recoveries: dict[str, asyncio.Task[None]] = {}
         self.polls = 0
@@ -55,6 +59,9 @@ class HealthMonitor:
                 if isinstance(backend, EventSource):
                     group.create_task(self._watch(backend, events), name=f"health-events {backend.name}")
             group.create_task(self._apply_events(events), name="health-apply")
+            if self.agent is not None:
+                interval = self._inventory.config.host_agent.poll_interval
+                group.create_task(self.agent.poll(interval, self.refresh), name="host-agent")
 
     async def _poll(self) -> None:
         while True:

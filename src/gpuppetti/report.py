@@ -38,6 +38,7 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None) -> dict[str
         "metal_family": gpu.metal_family,
         "utilization_percent": gpu.utilization_percent,
         "memory_used_bytes": gpu.memory_used_bytes,
+        "facts": gpu.facts,
         "resource": resource,
         "replicas": replicas,
     }

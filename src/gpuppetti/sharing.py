@@ -66,7 +66,7 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
         name = base
         if chosen:
             entry = chosen[0][1]
-            replicas = entry.replicas
+            replicas = entry.replicas_for(gpu.cores)
             if entry.rename:
                 name = entry.rename
             elif time_slicing.rename_by_default and replicas > 1:

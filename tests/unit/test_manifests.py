@@ -119,9 +119,22 @@ def test_daemonset_security_and_mounts() -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]}
     assert mounts == {"/etc/gpuppetti": True, "/var/lib/kubelet/device-plugins": False, "/host/sys": True,
-                      "/host/dev": True}
+                      "/host/dev": True, "/var/run/secrets/gpuppetti-host-agent": True}
+    [secret] = [v for v in spec["volumes"] if "secret" in v]
+    assert secret["secret"] == {"secretName": "gpuppetti-host-agent", "optional": True}
+    assert "serviceAccountName" not in spec, "without --label-node the plugin needs no API access"
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert "$(POD_IP):9400" in container["args"]
+
+
+def test_label_node_adds_only_get_and_patch_on_nodes() -> None:
+    objects = _cli("--label-node")
+    _validate(objects)
+    [role] = [o for o in objects if o["kind"] == "ClusterRole"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    [daemonset] = [o for o in objects if o["kind"] == "DaemonSet"]
+    assert "--label-node" in daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == "gpuppetti-device-plugin"
 
 
 def test_broken_config_is_refused(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from gpuppetti.config import Config
-from gpuppetti.discovery.drm import DrmBackend
+from gpuppetti.discovery.drm import DrmBackend, FactsSource
 from gpuppetti.discovery.macos import MacosBackend
 from gpuppetti.discovery.nvml import NvmlBackend
 from gpuppetti.discovery.simulated import SimulatedBackend
@@ -47,7 +47,8 @@ class BackendUnavailable(Exception):
 
 
 def backends_for(
-    config: Config, choice: str | None = None, host_root: Path = Path("/"), skipped: list[str] | None = None
+    config: Config, choice: str | None = None, host_root: Path = Path("/"), skipped: list[str] | None = None,
+    agent: FactsSource | None = None,
 ) -> list[Backend]:
     """The backends to run for ``choice`` (a ``--backend`` value) or the config's ``backend``.
 
@@ -58,7 +59,7 @@ def backends_for(
     selected = choice or config.backend
     real: dict[str, Backend] = {
         "nvml": NvmlBackend(host_root, config.health.ignored_xids),
-        "drm": DrmBackend(host_root, config.virtio),
+        "drm": DrmBackend(host_root, config.virtio, agent),
         "macos": MacosBackend(),
     }
     backends: list[Backend]

@@ -13,12 +13,23 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from gpuppetti.config import VirtioSection
 from gpuppetti.discovery.pciids import find_database, model_name
 from gpuppetti.model import DeviceNode, Gpu, Vendor
 
+if TYPE_CHECKING:
+    from gpuppetti.hostagent.client import AgentFacts
+
 log = logging.getLogger(__name__)
+
+
+class FactsSource(Protocol):
+    """What the host agent last said about the Mac's GPU (gpuppetti.hostagent.client.HostAgentSource)."""
+
+    def current(self) -> AgentFacts | None:
+        ...
 
 PCI_VENDORS = {"10de": Vendor.NVIDIA, "1002": Vendor.AMD, "8086": Vendor.INTEL, "1af4": Vendor.VIRTIO}
 DRIVER_VENDORS = {
@@ -111,9 +122,10 @@ def _nvidia_proc(host_root: Path, pci_address: str | None) -> _NvidiaProc | None
 class DrmBackend:
     name = "drm"
 
-    def __init__(self, host_root: Path, virtio: VirtioSection) -> None:
+    def __init__(self, host_root: Path, virtio: VirtioSection, agent: FactsSource | None = None) -> None:
         self.host_root = host_root
         self._virtio = virtio
+        self._agent = agent
         self.drm_dir = host_root / "sys/class/drm"
 
     def available(self) -> bool:
@@ -180,6 +192,7 @@ class DrmBackend:
         memory = cores = None
         uuid = None
         utilization = used = None
+        facts: str | None = None
         vendor = kind
         pci_ids = (vendor_hex, device_hex) if vendor_hex and device_hex else None
         base_id = f"{kind.value}-{pci.replace(':', '-')}" if pci else f"{kind.value}-{entry.name}"
@@ -205,6 +218,14 @@ class DrmBackend:
             vendor = Vendor(virtio.vendor)
             model = virtio.model or ("Apple GPU (virtio-gpu Venus)" if vendor is Vendor.APPLE else "Virtio-GPU")
             memory, cores = virtio.memory, virtio.cores
+            facts = "config"
+            agent = self._agent.current() if self._agent is not None else None
+            if agent is not None:
+                # Only the Mac knows what its GPU is; the VM sees a virtio device.
+                vendor, model, facts = Vendor.APPLE, agent.model, agent.source
+                cores = agent.cores or cores
+                memory = agent.memory_bytes or memory
+                utilization, used = agent.utilization_percent, agent.in_use_memory_bytes
             # Under Venus, Vulkan reports the host GPU's ids, not virtio's: only the config knows them.
             pci_ids = None
             if virtio.vulkan_device:
@@ -232,6 +253,7 @@ class DrmBackend:
             pci_ids=pci_ids,
             utilization_percent=utilization,
             memory_used_bytes=used,
+            facts=facts,
         )
 
 

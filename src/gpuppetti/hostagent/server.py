@@ -1,0 +1,132 @@
+"""``gpuppetti host-agent``: the Mac's GPU facts over HTTP, for the plugin inside a krunkit VM.
+
+It runs natively on the Mac, needs no root, and answers only requests that carry its bearer token. The static
+facts (model, cores, memory, Metal family) are read at start; utilisation and in-use memory are refreshed at an
+interval on a thread, so that a request never waits for ioreg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gpuppetti import __version__
+from gpuppetti.discovery.macos import IOREG, SYSCTL_MEMSIZE, MacosBackend, metal_working_set, parse_ioreg, run_command
+from gpuppetti.hostagent import API_PATH
+from gpuppetti.hostagent.token import matches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AgentGpu:
+    model: str
+    vendor: str
+    cores: int | None
+    unified_memory_bytes: int | None
+    recommended_max_working_set_bytes: int | None
+    metal_family: str | None
+    utilization_percent: int | None
+    in_use_memory_bytes: int | None
+
+
+class Collector:
+    """The static facts once (system_profiler is slow), the live ones from ioreg at every refresh."""
+
+    def __init__(self, backend: MacosBackend | None = None) -> None:
+        self._backend = backend or MacosBackend()
+        self.gpus: list[AgentGpu] = []
+        self.collected_at = 0.0
+        self.error: str | None = None
+
+    def collect(self) -> None:
+        gpus = self._backend.discover()
+        if not gpus:
+            self.error = self._backend.looked_at()
+            return
+        memory: int | None = None
+        try:
+            memory = int(run_command(SYSCTL_MEMSIZE).strip())
+        except Exception:  # sysctl missing: memory stays unknown, the rest still counts
+            memory = None
+        working_set = metal_working_set()
+        self.gpus = [
+            AgentGpu(
+                model=gpu.model, vendor=gpu.vendor.value, cores=gpu.cores,
+                unified_memory_bytes=memory if gpu.vendor.value == "apple" else gpu.memory_bytes,
+                recommended_max_working_set_bytes=working_set if gpu.vendor.value == "apple" else None,
+                metal_family=gpu.metal_family, utilization_percent=gpu.utilization_percent,
+                in_use_memory_bytes=gpu.memory_used_bytes,
+            )
+            for gpu in gpus
+        ]
+        self.collected_at = time.time()
+        self.error = None
+
+    def refresh(self) -> None:
+        if not self.gpus:
+            self.collect()
+            return
+        try:
+            accelerators = parse_ioreg(run_command(IOREG))
+        except Exception as exc:  # keep the last figures; say why they are old
+            self.error = f"ioreg failed: {exc}"
+            return
+        apple = [gpu for gpu in self.gpus if gpu.vendor == "apple"]
+        for gpu, accelerator in zip(apple, accelerators, strict=False):
+            gpu.utilization_percent = accelerator.utilization_percent
+            gpu.in_use_memory_bytes = accelerator.in_use_memory_bytes
+        self.collected_at = time.time()
+        self.error = None
+
+    def document(self) -> dict[str, Any]:
+        return {"version": __version__, "collectedAt": self.collected_at,
+                "gpus": [asdict(gpu) for gpu in self.gpus], "error": self.error}
+
+
+class HostAgent:
+    def __init__(self, token: str, collector: Collector, interval: float) -> None:
+        self._token = token
+        self.collector = collector
+        self._interval = interval
+        self._runner: web.AppRunner | None = None
+        self.address = ""
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not matches(self._token, request.headers.get("Authorization")):
+            log.warning("refused a request from %s without the right token", request.remote)
+            return web.json_response({"error": "a valid bearer token is required"}, status=401,
+                                     headers={"WWW-Authenticate": 'Bearer realm="gpuppetti-host-agent"'})
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def _gpus(self, request: web.Request) -> web.Response:
+        return web.Response(text=json.dumps(self.collector.document()), content_type="application/json")
+
+    async def start(self, host: str, port: int) -> None:
+        await asyncio.to_thread(self.collector.collect)
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get(API_PATH, self._gpus)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        bound = self._runner.addresses[0]
+        self.address = f"{bound[0]}:{bound[1]}"
+        log.info("host agent serving %s on http://%s", API_PATH, self.address)
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            await asyncio.to_thread(self.collector.refresh)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,81 @@
+"""Node labels in the spirit of GPU Feature Discovery: what GPU this node has, for nodeSelectors and humans."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from typing import Any
+
+from gpuppetti.edits import sharing_mode
+from gpuppetti.inventory import Inventory
+
+log = logging.getLogger(__name__)
+
+PREFIX = "gpuppetti.dev/"
+RETRY_MAX_S = 30.0
+
+
+def label_value(text: str) -> str:
+    """A valid label value: at most 63 characters of [A-Za-z0-9._-], beginning and ending alphanumeric."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text)[:63]
+    return value.strip("-._")
+
+
+def node_labels(inventory: Inventory) -> dict[str, str]:
+    """The labels for the node's first GPU (lowest index, then id), and how many there are. Empty without GPUs."""
+    gpus = sorted(inventory.gpus.values(), key=lambda g: (g.index, g.id))
+    if not gpus:
+        return {}
+    first = gpus[0]
+    same = [g for g in gpus if g.vendor is first.vendor and g.model == first.model]
+    units = [u for plan in inventory.plan.values() for u in plan.units if u.gpu_id == first.id]
+    labels = {
+        "gpu.present": "true",
+        "gpu.vendor": first.vendor.value,
+        "gpu.model": label_value(first.model),
+        "gpu.count": str(len(same)),
+        "gpu.replicas": str(len(units) or 1),
+        "gpu.sharing-strategy": sharing_mode(units) if units else "none",
+    }
+    if first.cores is not None:
+        labels["gpu.cores"] = str(first.cores)
+    if first.memory_bytes is not None:
+        labels["gpu.memory"] = str(first.memory_bytes // 2**20)  # MiB, as GPU Feature Discovery reports it
+    return {PREFIX + key: value for key, value in labels.items() if value}
+
+
+class NodeLabeler:
+    """Keeps this node's gpuppetti.dev/ labels equal to the inventory, and removes them when the GPUs go."""
+
+    def __init__(self, api: Any, inventory: Inventory, node: str) -> None:
+        from kubernetes_asyncio import client
+
+        self._core = client.CoreV1Api(api)
+        self._inventory = inventory
+        self.node = node
+
+    async def sync(self) -> None:
+        found = await self._core.read_node(self.node)
+        current = {k: v for k, v in (found.metadata.labels or {}).items() if k.startswith(PREFIX)}
+        wanted = node_labels(self._inventory)
+        patch: dict[str, str | None] = {k: v for k, v in wanted.items() if current.get(k) != v}
+        patch.update({k: None for k in current if k not in wanted})
+        if patch:
+            await self._core.patch_node(self.node, {"metadata": {"labels": patch}})
+            log.info("labelled node %s: %s", self.node,
+                     ", ".join(f"{k}={v}" if v is not None else f"-{k}" for k, v in sorted(patch.items())))
+
+    async def run(self) -> None:
+        delay = 1.0
+        while True:
+            seen = self._inventory.version
+            try:
+                await self.sync()
+                delay = 1.0
+            except Exception as exc:  # the API being away must not stop the plugin
+                log.warning("labelling node %s failed (%s); retrying in %.0fs", self.node, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            await self._inventory.wait_for_change(seen)

@@ -1,0 +1,208 @@
+"""The macOS host agent (on Linux, with stand-in commands), its token, and the plugin taking its facts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gpuppetti.hostagent import token
+from gpuppetti.kubelet.apiserver import ApiStandIn
+from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
+from tests.fixtures import virtio_vm
+from tests.helpers import FAKES, TWO_M3_MAX, DaemonProcess, PluginProcess
+
+pytestmark = pytest.mark.e2e
+MACOS_PATH = f"{FAKES / 'macos'}:/usr/bin:/bin"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_agent(workdir: Path, port: int, name: str = "agent") -> DaemonProcess:
+    return DaemonProcess(["host-agent", "--listen", f"127.0.0.1:{port}", "--token-file", str(workdir / "token"),
+                          "--interval", "0.2"], None, workdir, name, env={"PATH": MACOS_PATH})
+
+
+async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers or {}) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def test_the_token_protects_the_agent(tmp_path: Path) -> None:
+    port = _free_port()
+    agent = start_agent(tmp_path, port)
+    await agent.wait_for_log("host agent serving /v1/gpus")
+    secret = (tmp_path / "token").read_text().strip()
+    assert stat.S_IMODE((tmp_path / "token").stat().st_mode) == 0o600
+    assert f"kubectl create secret generic gpuppetti-host-agent --namespace gpuppetti --from-literal=token={secret}" \
+        in agent.log()
+    url = f"http://127.0.0.1:{port}/v1/gpus"
+
+    status, body = await _get(url)
+    assert status == 401 and "gpus" not in body
+    status, body = await _get(url, {"Authorization": "Bearer not-the-token"})
+    assert status == 401 and "gpus" not in body
+    status, body = await _get(url, {"Authorization": secret})
+    assert status == 401
+    status, body = await _get(url, {"Authorization": f"Bearer {secret}"})
+    assert status == 200
+    [gpu] = body["gpus"]
+    assert (gpu["model"], gpu["vendor"], gpu["cores"]) == ("Apple M3 Max", "apple", 40)
+    assert gpu["unified_memory_bytes"] == 64 * 2**30
+    assert (gpu["metal_family"], gpu["utilization_percent"], gpu["in_use_memory_bytes"]) == ("metal3", 16, 568164352)
+    assert await agent.stop() == 0
+
+    # A second start reuses the token and prints it no more.
+    again = start_agent(tmp_path, port, "agent-again")
+    await again.wait_for_log("host agent serving /v1/gpus")
+    assert (tmp_path / "token").read_text().strip() == secret
+    assert "kubectl create secret" not in again.log()
+    await again.stop()
+
+
+def test_token_helpers(tmp_path: Path) -> None:
+    path = tmp_path / "dir" / "token"
+    value, created = token.load_or_create(path)
+    assert created and len(value) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert token.load_or_create(path) == (value, False)
+    assert token.matches(value, f"Bearer {value}")
+    assert not token.matches(value, f"Bearer {value}x")
+    assert not token.matches(value, None)
+    assert not token.matches(value, value)
+
+
+APPLE_VM = """\
+version: v1
+backend: drm
+health: {pollInterval: 100ms}
+virtio: {vendor: apple, model: From the config, cores: 20, memory: 8Gi}
+hostAgent: {pollInterval: 200ms}
+sharing:
+  timeSlicing:
+    resources:
+      - {name: apple.com/gpu, replicasPerCores: 10}
+"""
+
+
+async def test_the_plugin_takes_the_agents_facts_and_keeps_them_when_it_goes(
+    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+) -> None:
+    virtio_vm(tmp_path / "host")
+    port = _free_port()
+    token_file = tmp_path / "token"
+    token.load_or_create(token_file)
+    url = f"http://127.0.0.1:{port}"
+    # The agent is not there yet: the config's facts are served (20 cores, so 2 slices), and the log says why.
+    plugin = start_plugin(APPLE_VM, "--host-root", str(tmp_path / "host"), "--host-agent", url,
+                          "--host-agent-token-file", str(token_file))
+    endpoint = await kubelet.wait_registered("apple.com/gpu")
+    assert sorted(endpoint.devices) == ["virtio-card0::0", "virtio-card0::1"]
+    await plugin.wait_for_log("serving the config's virtio facts")
+
+    agent = start_agent(tmp_path, port)
+    await kubelet.wait_for(lambda: len(endpoint.devices) == 4, timeout=15)
+    assert sorted(endpoint.devices) == [f"virtio-card0::{n}" for n in range(4)]
+    [allocation] = await kubelet.admit(Pod.simple("llama", "apple.com/gpu"))
+    assert dict(allocation.response.envs)["GPUPPETTI_REPLICAS"] == "4"
+
+    record = _discover(tmp_path, url, token_file)
+    assert (record["vendor"], record["model"], record["cores"], record["facts"]) == (
+        "apple", "Apple M3 Max", 40, "host-agent")
+    assert record["memory_bytes"] == 64 * 2**30
+
+    metrics_url = await plugin.http_url()
+    async with aiohttp.ClientSession() as session, session.get(f"{metrics_url}/metrics") as response:
+        metrics = await response.text()
+    assert 'gpuppetti_gpu_utilization_percent{gpu="virtio-card0",model="Apple M3 Max"} 16.0' in metrics
+
+    # The agent goes away: the GPU stays, with the facts the agent last gave, marked stale.
+    await agent.stop()
+    await plugin.wait_for_log("marked stale")
+    await asyncio.sleep(0.5)
+    assert len(endpoint.devices) == 4 and set(endpoint.devices.values()) == {"Healthy"}
+    stale = _discover(tmp_path, url, token_file)
+    assert stale["facts"] == "config", "a one-shot discover has only the config when the agent is gone"
+
+    # And comes back.
+    back = start_agent(tmp_path, port, "agent-back")
+    await back.wait_for_log("host agent serving")
+    await plugin.wait_for_log("Apple M3 Max, 40 cores", timeout=15)
+    assert len(endpoint.devices) == 4
+    await back.stop()
+
+
+def _discover(tmp_path: Path, url: str, token_file: Path) -> dict[str, Any]:
+    config = tmp_path / "discover.yaml"
+    config.write_text(APPLE_VM)
+    result = subprocess.run(
+        [sys.executable, "-m", "gpuppetti", "discover", "--json", "--config", str(config), "--host-root",
+         str(tmp_path / "host"), "--host-agent", url, "--host-agent-token-file", str(token_file)],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")})
+    assert result.returncode == 0, result.stderr
+    [record] = json.loads(result.stdout)
+    return dict(record)
+
+
+async def test_node_labels(
+    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+) -> None:
+    api = ApiStandIn()
+    await api.start()
+    try:
+        await api.create("nodes", {"apiVersion": "v1", "kind": "Node",
+                                   "metadata": {"name": "node1", "labels": {"kubernetes.io/os": "linux"}}})
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(api.kubeconfig())
+        plugin = start_plugin(TWO_M3_MAX, "--label-node", "--node-name", "node1", "--kubeconfig", str(kubeconfig))
+        await kubelet.wait_registered("apple.com/gpu")
+
+        def labels() -> dict[str, str]:
+            node = api.get("nodes", "node1")
+            assert node is not None
+            return dict(node["metadata"].get("labels") or {})
+
+        async def wait_labels(predicate: Callable[[dict[str, str]], bool]) -> dict[str, str]:
+            async with asyncio.timeout(10):
+                while not predicate(current := labels()):
+                    await asyncio.sleep(0.02)
+            return current
+
+        current = await wait_labels(lambda found: "gpuppetti.dev/gpu.model" in found)
+        assert current == {
+            "kubernetes.io/os": "linux",
+            "gpuppetti.dev/gpu.present": "true",
+            "gpuppetti.dev/gpu.vendor": "apple",
+            "gpuppetti.dev/gpu.model": "Apple-M3-Max",
+            "gpuppetti.dev/gpu.cores": "40",
+            "gpuppetti.dev/gpu.memory": "49152",
+            "gpuppetti.dev/gpu.count": "2",
+            "gpuppetti.dev/gpu.replicas": "4",
+            "gpuppetti.dev/gpu.sharing-strategy": "time-slicing",
+        }
+        plugin.write_config(TWO_M3_MAX.replace("replicas: 4", "replicas: 8"))
+        plugin.send(signal.SIGHUP)
+        await wait_labels(lambda found: found.get("gpuppetti.dev/gpu.replicas") == "8")
+        # The GPUs go away: the plugin removes its own labels and leaves the others.
+        plugin.write_config("version: v1\n")
+        plugin.send(signal.SIGHUP)
+        await wait_labels(lambda found: not any(k.startswith("gpuppetti.dev/") for k in found))
+        assert labels() == {"kubernetes.io/os": "linux"}
+    finally:
+        await api.stop()
