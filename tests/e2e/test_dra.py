@@ -250,3 +250,26 @@ async def test_missing_node_name_is_a_clear_error(cluster: Cluster) -> None:
                              str(cluster.root / "r2")], TWO_M3_MAX, cluster.root, "no-node")
     assert await process.wait() == 1
     assert "the node name is required" in process.log()
+
+
+async def test_v1beta1_serves_the_same_answers_without_share_ids(cluster: Cluster) -> None:
+    from gpuppetti._proto.dra.v1beta1 import api_pb2 as v1beta1
+    from gpuppetti._proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+
+    cluster.start_driver(TWO_M3_MAX + "dra: {slicing: consumable}\n")
+    plugin = await cluster.kubelet.wait_registered(DRIVER)
+    await cluster.wait_slices(lambda s: len(s) == 1)
+    claim = await cluster.allocate("old-kubelet", [{"request": "gpu", "device": "gpu-apple-0", "shareID": "abc123",
+                                                    "consumedCapacity": {"cores": "4"}}])
+    stub = v1beta1_grpc.DRAPluginStub(plugin.channel)
+    request = v1beta1.NodePrepareResourcesRequest(
+        claims=[v1beta1.Claim(namespace=claim.namespace, name=claim.name, uid=claim.uid)])
+    response = await stub.NodePrepareResources(request, timeout=30)
+    entry = response.claims[claim.uid]
+    assert entry.error == ""
+    [device] = entry.devices
+    assert (device.device_name, list(device.cdi_device_ids)) == (
+        "gpu-apple-0", [f"{cdi.DEFAULT_KIND}=claim-{claim.uid}-gpu"])
+    unprepared = await stub.NodeUnprepareResources(v1beta1.NodeUnprepareResourcesRequest(
+        claims=[v1beta1.Claim(namespace=claim.namespace, name=claim.name, uid=claim.uid)]), timeout=30)
+    assert unprepared.claims[claim.uid].error == ""

@@ -8,6 +8,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -89,17 +90,19 @@ class DraService:
         return {claim.uid: error for claim in claims}
 
 
-class DraPluginV1(v1_grpc.DRAPluginServicer):
-    def __init__(self, service: DraService) -> None:
-        self._service = service
+class _DraPlugin:
+    """Both DRAPlugin versions: their messages differ only in v1's Device.share_id."""
 
-    async def NodePrepareResources(
-        self, request: v1.NodePrepareResourcesRequest, context: grpc.aio.ServicerContext
-    ) -> v1.NodePrepareResourcesResponse:
+    def __init__(self, service: DraService, messages: ModuleType, share_ids: bool) -> None:
+        self._service = service
+        self._messages = messages
+        self._share_ids = share_ids
+
+    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         claims = _claims(request)
         if problem := _malformed(claims):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        response = v1.NodePrepareResourcesResponse()
+        response = self._messages.NodePrepareResourcesResponse()
         for uid, answer in (await self._service.prepare(claims)).items():
             entry = response.claims[uid]
             if isinstance(answer, str):
@@ -108,54 +111,29 @@ class DraPluginV1(v1_grpc.DRAPluginServicer):
             for device in answer:
                 added = entry.devices.add(request_names=device.request_names, pool_name=device.pool,
                                           device_name=device.device, cdi_device_ids=device.cdi_device_ids)
-                if device.share_id:
+                # v1beta1 has no share_id; there the CDI ids alone tell the runtime what to inject.
+                if device.share_id and self._share_ids:
                     added.share_id = device.share_id
         return response
 
-    async def NodeUnprepareResources(
-        self, request: v1.NodeUnprepareResourcesRequest, context: grpc.aio.ServicerContext
-    ) -> v1.NodeUnprepareResourcesResponse:
+    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         claims = _claims(request)
         if problem := _malformed(claims):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        response = v1.NodeUnprepareResourcesResponse()
+        response = self._messages.NodeUnprepareResourcesResponse()
         for uid, error in (await self._service.unprepare(claims)).items():
             response.claims[uid].error = error
         return response
 
 
-class DraPluginV1beta1(v1beta1_grpc.DRAPluginServicer):
+class DraPluginV1(_DraPlugin, v1_grpc.DRAPluginServicer):
     def __init__(self, service: DraService) -> None:
-        self._service = service
+        super().__init__(service, v1, share_ids=True)
 
-    async def NodePrepareResources(
-        self, request: v1beta1.NodePrepareResourcesRequest, context: grpc.aio.ServicerContext
-    ) -> v1beta1.NodePrepareResourcesResponse:
-        claims = _claims(request)
-        if problem := _malformed(claims):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        response = v1beta1.NodePrepareResourcesResponse()
-        for uid, answer in (await self._service.prepare(claims)).items():
-            entry = response.claims[uid]
-            if isinstance(answer, str):
-                entry.error = answer
-                continue
-            # v1beta1 has no share_id; the CDI ids alone tell the runtime what to inject.
-            for device in answer:
-                entry.devices.add(request_names=device.request_names, pool_name=device.pool,
-                                  device_name=device.device, cdi_device_ids=device.cdi_device_ids)
-        return response
 
-    async def NodeUnprepareResources(
-        self, request: v1beta1.NodeUnprepareResourcesRequest, context: grpc.aio.ServicerContext
-    ) -> v1beta1.NodeUnprepareResourcesResponse:
-        claims = _claims(request)
-        if problem := _malformed(claims):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        response = v1beta1.NodeUnprepareResourcesResponse()
-        for uid, error in (await self._service.unprepare(claims)).items():
-            response.claims[uid].error = error
-        return response
+class DraPluginV1beta1(_DraPlugin, v1beta1_grpc.DRAPluginServicer):
+    def __init__(self, service: DraService) -> None:
+        super().__init__(service, v1beta1, share_ids=False)
 
 
 def health_list(inventory: Inventory, node: str) -> health.NodeWatchResourcesResponse:

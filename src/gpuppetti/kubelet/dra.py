@@ -29,6 +29,7 @@ from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpuppetti._proto.pluginregistration.v1 import api_pb2 as reg
 from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpuppetti.kubelet.apiserver import ApiStandIn
+from gpuppetti.kubelet.changes import Changes
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class DraKubelet:
         self.node = node
         self.plugins: dict[str, DraPlugin] = {}
         self.events: list[tuple[float, str, str]] = []
-        self._changed = asyncio.Condition()
+        self._changes = Changes()
         self._watcher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -117,12 +118,11 @@ class DraKubelet:
         self.events.append((time.monotonic(), kind, f"{driver} {detail}".strip()))
 
     async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        await self._changes.notify()
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-        async with asyncio.timeout(timeout), self._changed:
-            await self._changed.wait_for(predicate)
+        """Wait until ``predicate()`` holds; it is re-checked after every registration and health update."""
+        await self._changes.wait_for(predicate, timeout)
 
     def registrations(self, driver: str) -> int:
         return sum(1 for _, kind, detail in self.events if kind == "registered" and detail.startswith(driver))

@@ -23,6 +23,7 @@ import grpc
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.config import resource_name_problem
+from gpuppetti.kubelet.changes import Changes
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class KubeletEmulator:
         self.allocations: list[ContainerAllocation] = []
         self.events: list[Event] = []
         self._server: grpc.aio.Server | None = None
-        self._changed = asyncio.Condition()
+        self._changes = Changes()
         self._admission = asyncio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -240,13 +241,11 @@ class KubeletEmulator:
         log.debug("kubelet: %s %s %s", kind, resource, detail)
 
     async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        await self._changes.notify()
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         """Wait until ``predicate()`` holds; it is re-checked after every registration and list update."""
-        async with asyncio.timeout(timeout), self._changed:
-            await self._changed.wait_for(predicate)
+        await self._changes.wait_for(predicate, timeout)
 
     def registrations(self, resource: str) -> int:
         return sum(1 for e in self.events if e.kind == "registered" and e.resource == resource)
