@@ -80,3 +80,18 @@ def test_demo_with_a_broken_config(tmp_path: Path) -> None:
     result = _run("demo", "--config", str(config))
     assert result.returncode == 2
     assert f"{config}: simulated.gpus[0].count" in result.stderr
+
+
+def test_dra_help_documents_every_flag() -> None:
+    result = _run("dra", "--help")
+    assert result.returncode == 0
+    for flag in ("--node-name", "NODE_NAME", "--registry-dir", "/var/lib/kubelet/plugins_registry", "--plugins-dir",
+                 "/var/lib/kubelet/plugins", "--cdi-dir", "/var/run/cdi", "--kubeconfig", "--config", "--backend",
+                 "--host-root", "--http-address", "--log-level"):
+        assert flag in result.stdout, flag
+
+
+def test_every_command_is_listed() -> None:
+    result = _run("--help")
+    for command in ("plugin", "dra", "discover", "manifests", "host-agent", "demo"):
+        assert command in result.stdout
