@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(discover, "built-in defaults")
     _add_discovery(discover)
     discover.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    discover.add_argument(
+        "--from", dest="from_url", default=None, metavar="URL",
+        help="show what a running plugin or DRA driver serves instead of discovering here, from its HTTP "
+        "endpoint (e.g. http://127.0.0.1:9400): its GPUs' health and whether their facts are stale",
+    )
     _add_common(discover, default_level="warning")
 
     dra = commands.add_parser(
@@ -361,6 +366,8 @@ def _discover(args: argparse.Namespace) -> int:
     from gpuppetti.inventory import Inventory
     from gpuppetti.report import gpu_records, gpu_table
 
+    if args.from_url:
+        return _discover_from(args.from_url, args.json)
     try:
         found = load_and_discover(_sources(args))
     except BackendUnavailable as exc:
@@ -372,6 +379,26 @@ def _discover(args: argparse.Namespace) -> int:
         print(json.dumps(gpu_records(inventory), indent=2))
     else:
         _console().print(gpu_table(inventory))
+    return EXIT_OK
+
+
+def _discover_from(url: str, as_json: bool) -> int:
+    import urllib.error
+    import urllib.request
+
+    from gpuppetti.httpserver import GPUS_PATH
+    from gpuppetti.report import records_table
+
+    target = url.rstrip("/") + GPUS_PATH
+    try:
+        with urllib.request.urlopen(target, timeout=10) as response:
+            records = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return _fail(f"cannot read {target}: {getattr(exc, 'reason', exc)}", EXIT_FAILURE)
+    if as_json:
+        print(json.dumps(records, indent=2))
+    else:
+        _console().print(records_table(records, f"GPUs served by {url}"))
     return EXIT_OK
 
 

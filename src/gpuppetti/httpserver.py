@@ -7,6 +7,7 @@ enough that the device plugin stays within its memory budget, and unaffected by 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 # Returns None when ready, else what it is still waiting for.
 Readiness = Callable[[], str | None]
 POLL_INTERVAL_S = 1.0
+GPUS_PATH = "/v1/gpus"
 
 
 class AddressError(ValueError):
@@ -45,9 +47,12 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class HttpServer:
-    def __init__(self, metrics: Metrics, readiness: Readiness) -> None:
+    def __init__(
+        self, metrics: Metrics, readiness: Readiness, inventory: Callable[[], list[dict[str, Any]]] | None = None
+    ) -> None:
         self._metrics = metrics
         self._readiness = readiness
+        self._inventory = inventory
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -67,11 +72,15 @@ class HttpServer:
         if path == "/livez":
             start_response("200 OK", [("Content-Type", "text/plain")])
             return [b"ok\n"]
+        if path == GPUS_PATH and self._inventory is not None:
+            # What the running process serves, facts' staleness included: `gpuppetti discover --from` shows it.
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [json.dumps(self._inventory()).encode()]
         if path == "/metrics":
             start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
             return [generate_latest(self._metrics.registry)]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found: try /healthz, /livez or /metrics\n"]
+        return [f"not found: try /healthz, /livez, {GPUS_PATH} or /metrics\n".encode()]
 
     async def start(self, address: str) -> None:
         host, port = parse_address(address)

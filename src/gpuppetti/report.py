@@ -54,11 +54,15 @@ def gpu_records(inventory: Inventory) -> list[dict[str, Any]]:
 
 
 def gpu_table(inventory: Inventory, title: str = "GPUs") -> Table:
+    return records_table(gpu_records(inventory), title)
+
+
+def records_table(records: list[dict[str, Any]], title: str = "GPUs") -> Table:
     table = Table(title=title, title_justify="left")
     for column in ("GPU", "vendor", "model", "cores", "memory", "device nodes", "NUMA", "health", "backend",
-                   "resource", "slices"):
+                   "facts", "resource", "slices"):
         table.add_column(column)
-    for record in gpu_records(inventory):
+    for record in records:
         table.add_row(
             record["id"],
             record["vendor"],
@@ -69,6 +73,7 @@ def gpu_table(inventory: Inventory, title: str = "GPUs") -> Table:
             "-" if record["numa_node"] is None else str(record["numa_node"]),
             record["health"],
             record["backend"],
+            record.get("facts") or "-",
             record["resource"] or "-",
             str(record["replicas"] or "-"),
         )

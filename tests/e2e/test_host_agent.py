@@ -136,8 +136,13 @@ async def test_the_plugin_takes_the_agents_facts_and_keeps_them_when_it_goes(
     await plugin.wait_for_log("marked stale")
     await asyncio.sleep(0.5)
     assert len(endpoint.devices) == 4 and set(endpoint.devices.values()) == {"Healthy"}
-    stale = _discover(tmp_path, url, token_file)
-    assert stale["facts"] == "config", "a one-shot discover has only the config when the agent is gone"
+    one_shot = _discover(tmp_path, url, token_file)
+    assert one_shot["facts"] == "config", "a one-shot discover has only the config when the agent is gone"
+    # What the running plugin serves: the agent's last facts, marked stale.
+    async with asyncio.timeout(10):
+        while (served := _discover_from(metrics_url))["facts"] != "host-agent (stale)":
+            await asyncio.sleep(0.1)
+    assert (served["model"], served["cores"], served["health"]) == ("Apple M3 Max", 40, "Healthy")
 
     # And comes back.
     back = start_agent(tmp_path, port, "agent-back")
@@ -145,6 +150,14 @@ async def test_the_plugin_takes_the_agents_facts_and_keeps_them_when_it_goes(
     await plugin.wait_for_log("Apple M3 Max, 40 cores", timeout=15)
     assert len(endpoint.devices) == 4
     await back.stop()
+
+
+def _discover_from(url: str) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-m", "gpuppetti", "discover", "--json", "--from", url],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    [record] = json.loads(result.stdout)
+    return dict(record)
 
 
 def _discover(tmp_path: Path, url: str, token_file: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from gpuppetti.daemon import Sources, StartupError, reload, serve_until_signalle
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.httpserver import HttpServer
 from gpuppetti.metrics import Metrics
+from gpuppetti.report import gpu_records
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ async def run_plugin(
     metrics = Metrics()
     metrics.watch(inventory)
     manager = DevicePluginManager(inventory, device_plugin_dir, metrics, cdi_dir)
-    http = HttpServer(metrics, manager.waiting_for)
+    http = HttpServer(metrics, manager.waiting_for, lambda: gpu_records(inventory))
     if http_address:
         await http.start(http_address)
 

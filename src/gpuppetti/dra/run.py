@@ -23,6 +23,7 @@ from gpuppetti.grpcutil import new_server
 from gpuppetti.httpserver import HttpServer
 from gpuppetti.kube import ApiClaims, api_client, node_owner
 from gpuppetti.metrics import Metrics
+from gpuppetti.report import gpu_records
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
             return "the ResourceSlices are not published yet"
         return None
 
-    http = HttpServer(metrics, waiting_for)
+    http = HttpServer(metrics, waiting_for, lambda: gpu_records(inventory))
 
     async def serve(stop: asyncio.Event) -> None:
         # The kubelet may call the DRA service as soon as it sees the registration socket: serve it first.
