@@ -41,6 +41,9 @@ class SlicePublisher:
         self._content: PoolContent | None = None
         self.generation = 0
         self._written: dict[str, str] = {}
+        # Slices being written now: their watch events arrive before the write returns its resourceVersion.
+        self._in_flight: set[str] = set()
+        self._content_for: tuple[int, object] | None = None
         self.published = asyncio.Event()
 
     @property
@@ -81,7 +84,7 @@ class SlicePublisher:
             RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, field_selector=self._selector()
         )
         existing = {item["metadata"]["name"]: item for item in listing.get("items", [])}
-        content = pool_content(self._inventory.gpus, self._inventory.config.dra, self.node)
+        content = self._pool_content()
         if content != self._content:
             known = [item["spec"]["pool"].get("generation", 0) for item in existing.values()]
             # Higher than anything published before, by this process or an earlier one.
@@ -92,17 +95,21 @@ class SlicePublisher:
         for body in resource_slices(content, self.node, self.driver, self.generation, self._owner):
             name = body["metadata"]["name"]
             current = existing.pop(name, None)
-            if current is None:
-                created = await self._custom.create_cluster_custom_object(
-                    RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, body)
-                self._written[name] = created["metadata"]["resourceVersion"]
-                changed += 1
-            elif self._written.get(name) != current["metadata"]["resourceVersion"]:
-                body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-                replaced = await self._custom.replace_cluster_custom_object(
-                    RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, name, body)
-                self._written[name] = replaced["metadata"]["resourceVersion"]
-                changed += 1
+            if current is not None and self._written.get(name) == current["metadata"]["resourceVersion"]:
+                continue
+            self._in_flight.add(name)
+            try:
+                if current is None:
+                    written = await self._custom.create_cluster_custom_object(
+                        RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, body)
+                else:
+                    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                    written = await self._custom.replace_cluster_custom_object(
+                        RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, name, body)
+            finally:
+                self._in_flight.discard(name)
+            self._written[name] = written["metadata"]["resourceVersion"]
+            changed += 1
         for name in existing:
             with contextlib.suppress(ApiException):
                 await self._custom.delete_cluster_custom_object(RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, name)
@@ -113,6 +120,16 @@ class SlicePublisher:
             log.info("published pool %s generation %d: %d slice(s), %d written", self.node, self.generation,
                      len(content.specs), changed)
         self.published.set()
+
+    def _pool_content(self) -> PoolContent:
+        """The pool as the inventory has it now, computed once per inventory version."""
+        version = self._inventory.version
+        if self._content_for is None or self._content_for[0] != version:
+            content = pool_content(self._inventory.gpus, self._inventory.config.dra, self.node)
+            self._content_for = (version, content)
+        cached = self._content_for[1]
+        assert isinstance(cached, PoolContent)
+        return cached
 
     async def _watch(self) -> None:
         delay = 0.2
@@ -126,6 +143,8 @@ class SlicePublisher:
                         delay = 0.2
                         name = event["object"].get("metadata", {}).get("name")
                         rv = event["object"].get("metadata", {}).get("resourceVersion")
+                        if event["type"] != "DELETED" and name in self._in_flight:
+                            continue
                         if event["type"] == "DELETED" or self._written.get(name) != rv:
                             if event["type"] == "DELETED":
                                 log.warning("ResourceSlice %s was deleted; publishing it again", name)

@@ -171,15 +171,16 @@ class ApiStandIn:
         return copy.deepcopy(obj) if obj is not None else None
 
     async def create(self, plural: str, obj: dict[str, Any], namespace: str = "") -> dict[str, Any]:
-        return await self._create(self._kind(plural), namespace, obj)
+        return copy.deepcopy(await self._create(self._kind(plural), namespace, copy.deepcopy(obj)))
 
     async def update(
         self, plural: str, obj: dict[str, Any], namespace: str = "", status: bool = False
     ) -> dict[str, Any]:
-        return await self._update(self._kind(plural), namespace, obj["metadata"]["name"], obj, status)
+        stored = await self._update(self._kind(plural), namespace, obj["metadata"]["name"], copy.deepcopy(obj), status)
+        return copy.deepcopy(stored)
 
     async def delete(self, plural: str, name: str, namespace: str = "") -> dict[str, Any]:
-        return await self._delete(self._kind(plural), namespace, name)
+        return copy.deepcopy(await self._delete(self._kind(plural), namespace, name))
 
     async def delete_where(self, plural: str, predicate: Callable[[dict[str, Any]], bool]) -> int:
         doomed = [(ns, name) for (p, ns, name), obj in self.objects.items() if p == plural and predicate(obj)]
@@ -190,7 +191,8 @@ class ApiStandIn:
     # -- storage ------------------------------------------------------------------------------------------
 
     async def _record(self, kind: Kind, event_type: str, obj: dict[str, Any]) -> None:
-        self._history.append(_Event(self._rv, kind, event_type, copy.deepcopy(obj)))
+        # Stored objects are never changed in place (every write stores a new one), so history can share them.
+        self._history.append(_Event(self._rv, kind, event_type, obj))
         del self._history[:-HISTORY]
         async with self._changed:
             self._changed.notify_all()
@@ -210,7 +212,8 @@ class ApiStandIn:
         obj["metadata"]["resourceVersion"] = str(self._rv)
 
     async def _create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        obj = copy.deepcopy(body)
+        """Store ``body``, which the caller hands over (it must not change it afterwards)."""
+        obj = body
         obj.setdefault("apiVersion", kind.api_version)
         obj.setdefault("kind", kind.kind)
         metadata = obj.setdefault("metadata", {})
@@ -234,7 +237,7 @@ class ApiStandIn:
         self._stamp(obj)
         self.objects[key] = obj
         await self._record(kind, "ADDED", obj)
-        return copy.deepcopy(obj)
+        return obj
 
     async def _update(
         self, kind: Kind, namespace: str, name: str, body: dict[str, Any], status: bool
@@ -251,8 +254,9 @@ class ApiStandIn:
         if status:
             obj["status"] = copy.deepcopy(body.get("status"))
         else:
-            replacement = copy.deepcopy(body)
-            metadata = replacement.setdefault("metadata", {})
+            replacement = dict(body)
+            # A new metadata dict: a merge patch's result may share the stored object's.
+            metadata = replacement["metadata"] = dict(replacement.get("metadata") or {})
             for kept in ("uid", "creationTimestamp", "namespace", "name", "generation"):
                 if kept in current["metadata"]:
                     metadata[kept] = current["metadata"][kept]
@@ -270,16 +274,18 @@ class ApiStandIn:
         self._stamp(obj)
         self.objects[key] = obj
         await self._record(kind, "MODIFIED", obj)
-        return copy.deepcopy(obj)
+        return obj
 
     async def _delete(self, kind: Kind, namespace: str, name: str) -> dict[str, Any]:
         key = (kind.plural, namespace, name)
-        obj = self.objects.pop(key, None)
-        if obj is None:
+        stored = self.objects.pop(key, None)
+        if stored is None:
             raise ApiError(404, "NotFound", f'{kind.plural} "{name}" not found')
+        # A new object for the DELETED event: the ADDED and MODIFIED events still hold the stored one.
+        obj = {**stored, "metadata": dict(stored["metadata"])}
         self._stamp(obj)
         await self._record(kind, "DELETED", obj)
-        return copy.deepcopy(obj)
+        return obj
 
     # -- HTTP ---------------------------------------------------------------------------------------------
 
@@ -359,7 +365,7 @@ class ApiStandIn:
             raise ApiError(415, "UnsupportedMediaType", "JSON patch is not supported here; use a merge patch")
         current = self._get(kind, namespace, name)
         patched = merge_patch(current, await self._body(request))
-        patched["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        patched["metadata"] = {**patched.get("metadata", {}), "resourceVersion": current["metadata"]["resourceVersion"]}
         if status:
             return await self._update(kind, namespace, name, patched, status=True)
         if kind.status:
@@ -386,7 +392,7 @@ class ApiStandIn:
             position = since
         else:
             position = self._rv
-            pending = [_Event(self._rv, kind, "ADDED", copy.deepcopy(obj))
+            pending = [_Event(self._rv, kind, "ADDED", obj)
                        for (plural, ns, _), obj in sorted(self.objects.items())
                        if self._matches(request, kind, namespace, plural, ns, obj)]
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
