@@ -61,7 +61,7 @@ def percentile(samples: Sequence[float], q: float) -> float:
 
 def plugin_config(units: int, toggled_health: str = "Healthy") -> str:
     """``units`` units: one GPU whose health the benchmark flips, and the rest on other GPUs."""
-    replicas = 4 if units <= 8 else 10 if units < 1000 else 100
+    replicas = 4 if units <= 8 else 5 if units <= 10 else 10 if units < 1000 else 100
     gpus = max(2, units // replicas)
     return (
         "version: v1\nbackend: simulated\nsimulated:\n  gpus:\n"
