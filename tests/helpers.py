@@ -27,6 +27,14 @@ sharing:
 """
 
 
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``gpuppetti ARGS`` to completion, with none of the caller's GPUPPETTI_* settings, plus ``env``."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
+    environment.update(env or {})
+    return subprocess.run([sys.executable, "-m", "gpuppetti", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False, env=environment)
+
+
 def config_from(text: str, source: str = "test.yaml") -> Config:
     return parse_config(textwrap.dedent(text), source)
 

@@ -41,7 +41,6 @@ class HealthMonitor:
         self.agent = agent
         self._faults: dict[str, _Fault] = {}
         self._recoveries: dict[str, asyncio.Task[None]] = {}
-        self.polls = 0
 
     def set_backends(self, backends: Sequence[Backend]) -> None:
         """Called after a config reload, which may change what is discovered and how."""
@@ -80,7 +79,6 @@ class HealthMonitor:
         except Exception as exc:  # a backend failing must not take the plugin down with it
             log.error("discovery failed: %s", exc)
             return
-        self.polls += 1
         await self.reconcile(found)
 
     async def reconcile(self, found: Sequence[Gpu]) -> None:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_cli
+
 pytestmark = pytest.mark.e2e
-
-
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpuppetti", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
 
 
 def test_broken_config_exits_2_with_one_message_naming_file_and_key(tmp_path: Path) -> None:
@@ -21,7 +16,7 @@ def test_broken_config_exits_2_with_one_message_naming_file_and_key(tmp_path: Pa
     config.write_text(
         "version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - {name: apple.com/gpu, replicas: -2}\n"
     )
-    result = _run("plugin", "--config", str(config), "--device-plugin-dir", str(tmp_path / "dp"))
+    result = run_cli("plugin", "--config", str(config), "--device-plugin-dir", str(tmp_path / "dp"))
     assert result.returncode == 2
     assert f"{config}: sharing.timeSlicing.resources[0].replicas: " in result.stderr
     assert "Traceback" not in result.stderr
@@ -31,17 +26,13 @@ def test_broken_config_exits_2_with_one_message_naming_file_and_key(tmp_path: Pa
 def test_config_from_the_environment(tmp_path: Path) -> None:
     config = tmp_path / "env.yaml"
     config.write_text("version: v1\nunknown: 1\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "gpuppetti", "plugin", "--device-plugin-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, check=False,
-        env={"GPUPPETTI_CONFIG": str(config), "PATH": "/usr/bin:/bin"},
-    )
+    result = run_cli("plugin", "--device-plugin-dir", str(tmp_path), env={"GPUPPETTI_CONFIG": str(config)})
     assert result.returncode == 2
     assert f"{config}: unknown: unknown key" in result.stderr
 
 
 def test_no_gpus_is_a_clear_error(tmp_path: Path) -> None:
-    result = _run("plugin", "--backend", "simulated", "--device-plugin-dir", str(tmp_path))
+    result = run_cli("plugin", "--backend", "simulated", "--device-plugin-dir", str(tmp_path))
     assert result.returncode == 1
     assert "no GPUs found" in result.stderr
 
@@ -51,14 +42,14 @@ def test_unusable_socket_directory_is_a_clear_error(tmp_path: Path) -> None:
     config.write_text("version: v1\nsimulated:\n  gpus:\n    - {model: X}\n")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = _run("plugin", "--config", str(config), "--device-plugin-dir", str(blocker / "dp"))
+    result = run_cli("plugin", "--config", str(config), "--device-plugin-dir", str(blocker / "dp"))
     assert result.returncode == 1
     assert f"cannot create the device plugin directory {blocker / 'dp'}" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_help_documents_the_flags() -> None:
-    result = _run("plugin", "--help")
+    result = run_cli("plugin", "--help")
     assert result.returncode == 0
     for flag in ("--config", "--device-plugin-dir", "--backend", "--log-level", "GPUPPETTI_CONFIG",
                  "GPUPPETTI_DEVICE_PLUGIN_DIR", "/var/lib/kubelet/device-plugins"):
@@ -66,7 +57,7 @@ def test_help_documents_the_flags() -> None:
 
 
 def test_demo_prints_the_tables_and_exits_0() -> None:
-    result = _run("demo")
+    result = run_cli("demo")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for text in ("GPUs", "Apple M3 Max", "48 GiB", "Slices", "Pods", "sim-apple-0::0", "sim-apple-1::3",
@@ -77,13 +68,13 @@ def test_demo_prints_the_tables_and_exits_0() -> None:
 def test_demo_with_a_broken_config(tmp_path: Path) -> None:
     config = tmp_path / "demo.yaml"
     config.write_text("version: v1\nsimulated:\n  gpus:\n    - {model: X, count: many}\n")
-    result = _run("demo", "--config", str(config))
+    result = run_cli("demo", "--config", str(config))
     assert result.returncode == 2
     assert f"{config}: simulated.gpus[0].count" in result.stderr
 
 
 def test_dra_help_documents_every_flag() -> None:
-    result = _run("dra", "--help")
+    result = run_cli("dra", "--help")
     assert result.returncode == 0
     for flag in ("--node-name", "NODE_NAME", "--registry-dir", "/var/lib/kubelet/plugins_registry", "--plugins-dir",
                  "/var/lib/kubelet/plugins", "--cdi-dir", "/var/run/cdi", "--kubeconfig", "--config", "--backend",
@@ -92,6 +83,6 @@ def test_dra_help_documents_every_flag() -> None:
 
 
 def test_every_command_is_listed() -> None:
-    result = _run("--help")
+    result = run_cli("--help")
     for command in ("plugin", "dra", "discover", "manifests", "host-agent", "demo"):
         assert command in result.stdout

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import stat
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,7 @@ from gpuppetti.hostagent import token
 from gpuppetti.kubelet.apiserver import ApiStandIn
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from tests.fixtures import virtio_vm
-from tests.helpers import FAKES, TWO_M3_MAX, DaemonProcess, PluginProcess
+from tests.helpers import FAKES, TWO_M3_MAX, DaemonProcess, PluginProcess, run_cli
 
 pytestmark = pytest.mark.e2e
 MACOS_PATH = f"{FAKES / 'macos'}:/usr/bin:/bin"
@@ -153,8 +150,7 @@ async def test_the_plugin_takes_the_agents_facts_and_keeps_them_when_it_goes(
 
 
 def _discover_from(url: str) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, "-m", "gpuppetti", "discover", "--json", "--from", url],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = run_cli("discover", "--json", "--from", url)
     assert result.returncode == 0, result.stderr
     [record] = json.loads(result.stdout)
     return dict(record)
@@ -163,11 +159,8 @@ def _discover_from(url: str) -> dict[str, Any]:
 def _discover(tmp_path: Path, url: str, token_file: Path) -> dict[str, Any]:
     config = tmp_path / "discover.yaml"
     config.write_text(APPLE_VM)
-    result = subprocess.run(
-        [sys.executable, "-m", "gpuppetti", "discover", "--json", "--config", str(config), "--host-root",
-         str(tmp_path / "host"), "--host-agent", url, "--host-agent-token-file", str(token_file)],
-        capture_output=True, text=True, timeout=60, check=False,
-        env={k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")})
+    result = run_cli("discover", "--json", "--config", str(config), "--host-root", str(tmp_path / "host"),
+                     "--host-agent", url, "--host-agent-token-file", str(token_file))
     assert result.returncode == 0, result.stderr
     [record] = json.loads(result.stdout)
     return dict(record)

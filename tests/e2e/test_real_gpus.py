@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,16 +12,13 @@ import pytest
 
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from tests.fixtures import MACHINES, RADEON_VRAM, amd_machine, nvidia_machine, virtio_vm
-from tests.helpers import FAKES, PluginProcess, fake_nvml_env
+from tests.helpers import FAKES, PluginProcess, fake_nvml_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
 
 def _discover(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
-    environment.update(env or {})
-    return subprocess.run([sys.executable, "-m", "gpuppetti", "discover", *args], capture_output=True, text=True,
-                          timeout=60, check=False, env=environment)
+    return run_cli("discover", *args, env=env)
 
 
 def _records(*args: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:

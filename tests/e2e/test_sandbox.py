@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 
 import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.sandbox import PodmanSandbox, allocation_flags, parse_probe
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -44,8 +43,7 @@ def test_demo_runs_each_pod_in_a_real_container() -> None:
     reason = _why_podman_cannot_run()
     if reason is not None:
         pytest.skip(f"podman cannot run containers here: {reason}")
-    result = subprocess.run([sys.executable, "-m", "gpuppetti", "demo", "--runtime", "podman"],
-                            capture_output=True, text=True, timeout=600, check=False)
+    result = run_cli("demo", "--runtime", "podman", timeout=600)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "Containers run by podman" in out

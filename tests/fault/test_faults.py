@@ -7,8 +7,6 @@ import os
 import re
 import signal
 import stat
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.kubelet.dra import ClaimKey
 from gpuppetti.kubelet.emulator import AdmissionError, KubeletEmulator, Pod
 from tests.dra_support import DRIVER, Cluster
-from tests.helpers import TWO_M3_MAX, PluginProcess
+from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli
 
 pytestmark = pytest.mark.fault
 APPLE = "apple.com/gpu"
@@ -188,9 +186,8 @@ def test_a_socket_directory_that_cannot_be_written_is_a_clear_error(tmp_path: Pa
     config = tmp_path / "c.yaml"
     config.write_text(TWO_M3_MAX)
     # Not even root may create directories under /proc.
-    result = subprocess.run([sys.executable, "-m", "gpuppetti", "plugin", "--config", str(config),
-                             "--device-plugin-dir", "/proc/gpuppetti-test/dp", "--http-address", ""],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = run_cli("plugin", "--config", str(config), "--device-plugin-dir", "/proc/gpuppetti-test/dp",
+                     "--http-address", "")
     assert result.returncode == 1
     assert "cannot create the device plugin directory /proc/gpuppetti-test/dp" in result.stderr
     assert "Traceback" not in result.stderr

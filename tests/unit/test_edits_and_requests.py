@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from gpuppetti.deviceplugin.server import RequestError, device_list, edits_to_response, resolve_request
+from gpuppetti.deviceplugin.server import DeviceLists, RequestError, edits_to_response, resolve_request
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.edits import container_edits
 from gpuppetti.inventory import Inventory
@@ -55,12 +55,12 @@ def test_resolve_request_names_every_offending_id() -> None:
 async def test_health_changes_bump_the_version_and_the_list() -> None:
     inventory = _inventory()
     plan = inventory.plan["apple.com/gpu"]
-    assert {d.health for d in device_list(inventory, plan).devices} == {"Healthy"}
+    assert {d.health for d in DeviceLists().build(inventory, plan).devices} == {"Healthy"}
     waiter = asyncio.create_task(inventory.wait_for_change(inventory.version))
     assert await inventory.set_health("sim-apple-1", Health.UNHEALTHY, "test")
     assert await asyncio.wait_for(waiter, 1) == 1
     assert not await inventory.set_health("sim-apple-1", Health.UNHEALTHY)
-    listed = {d.ID: d.health for d in device_list(inventory, plan).devices}
+    listed = {d.ID: d.health for d in DeviceLists().build(inventory, plan).devices}
     assert listed["sim-apple-0::0"] == "Healthy" and listed["sim-apple-1::0"] == "Unhealthy"
     with pytest.raises(RequestError, match="unhealthy device ids 'sim-apple-1::1'"):
         resolve_request(inventory, "apple.com/gpu", ["sim-apple-0::1", "sim-apple-1::1"])
@@ -68,8 +68,8 @@ async def test_health_changes_bump_the_version_and_the_list() -> None:
 
 def test_topology_only_when_numa_is_known() -> None:
     without = _inventory(TWO_M3_MAX.replace(", numaNode: 0", ""))
-    devices = device_list(without, without.plan["apple.com/gpu"]).devices
+    devices = DeviceLists().build(without, without.plan["apple.com/gpu"]).devices
     assert not any(d.HasField("topology") for d in devices)
     with_numa = _inventory()
     assert all([n.ID for n in d.topology.nodes] == [0]
-               for d in device_list(with_numa, with_numa.plan["apple.com/gpu"]).devices)
+               for d in DeviceLists().build(with_numa, with_numa.plan["apple.com/gpu"]).devices)

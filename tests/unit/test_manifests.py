@@ -15,6 +15,7 @@ import yaml
 from gpuppetti import manifests
 from gpuppetti.config import DraSection, parse_config
 from gpuppetti.dra import opaque
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -42,8 +43,7 @@ def _kustomize(directory: Path) -> list[dict[str, Any]]:
 
 
 def _cli(*args: str) -> list[dict[str, Any]]:
-    result = subprocess.run([sys.executable, "-m", "gpuppetti", "manifests", *args], capture_output=True,
-                            text=True, check=False, timeout=60)
+    result = run_cli("manifests", *args)
     assert result.returncode == 0, result.stderr
     return [o for o in yaml.safe_load_all(result.stdout) if o]
 
@@ -140,8 +140,7 @@ def test_label_node_adds_only_get_and_patch_on_nodes() -> None:
 def test_broken_config_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: v1\nsharing: {timeSlicing: {resources: [{name: x, replicas: 2}]}}\n")
-    result = subprocess.run([sys.executable, "-m", "gpuppetti", "manifests", "--config", str(bad)],
-                            capture_output=True, text=True, check=False, timeout=60)
+    result = run_cli("manifests", "--config", str(bad))
     assert result.returncode == 2
     assert f"{bad}: sharing.timeSlicing.resources[0].name" in result.stderr
 

@@ -151,10 +151,6 @@ class DevicePluginManager:
         self.kubelet_socket = directory / KUBELET_SOCKET
         self._resources: dict[str, _Supervised] = {}
 
-    @property
-    def registered(self) -> dict[str, bool]:
-        return {name: sup.registered for name, sup in self._resources.items()}
-
     def waiting_for(self) -> str | None:
         """None once every resource is registered with the kubelet; else what is missing (for /healthz)."""
         if not self._resources:

@@ -59,10 +59,6 @@ class DeviceLists:
         return response
 
 
-def device_list(inventory: Inventory, plan: ResourcePlan | None) -> pb.ListAndWatchResponse:
-    return DeviceLists().build(inventory, plan)
-
-
 def edits_to_response(
     edits: ContainerEdits, strategies: Sequence[str] = ("envvar",), cdi_names: Sequence[str] = (),
     annotation: str = "",
