@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -77,3 +78,26 @@ async def test_no_spec_is_written_for_envvar_alone(
     start_plugin(_config("envvar"), "--host-root", str(tmp_path / "host"), "--cdi-dir", str(tmp_path / "cdi"))
     await kubelet.wait_registered("amd.com/gpu")
     assert not (tmp_path / "cdi").exists()
+
+
+async def test_the_spec_follows_gpus_coming_but_not_health(
+    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+) -> None:
+    host = amd_machine(tmp_path / "host")
+    cdi_dir = tmp_path / "cdi"
+    start_plugin("version: v1\nbackend: drm\nhealth: {pollInterval: 50ms}\nplugin: {deviceListStrategy: cdi}\n",
+                 "--host-root", str(tmp_path / "host"), "--cdi-dir", str(cdi_dir))
+    endpoint = await kubelet.wait_registered("amd.com/gpu")
+    spec_path = cdi_dir / "gpu.gpuppetti.dev-gpu.json"
+    written = spec_path.stat().st_mtime_ns
+    host.remove_card("card1")
+    await kubelet.wait_for(lambda: set(endpoint.devices.values()) == {"Unhealthy"})
+    host.restore_card("card1")
+    await kubelet.wait_for(lambda: set(endpoint.devices.values()) == {"Healthy"})
+    assert spec_path.stat().st_mtime_ns == written, "a health change does not rewrite the spec"
+    host.pci_gpu(card=2, render=129, bdf="0000:43:00.0", vendor=0x1002, device=0x744C, driver="amdgpu", numa=1)
+    await kubelet.wait_for(lambda: len(endpoint.devices) == 2)
+    async with asyncio.timeout(10):
+        while len(names := [d["name"] for d in json.loads(spec_path.read_text())["devices"]]) < 2:
+            await asyncio.sleep(0.02)
+    assert names == ["amd-0000-03-00.0", "amd-0000-43-00.0"]

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from gpuppetti import cdi
-from gpuppetti.inventory import Inventory
 from gpuppetti.model import ContainerEdits, Gpu
 
 KIND = cdi.DEFAULT_KIND
@@ -38,9 +36,6 @@ def gpu_edits(gpu: Gpu) -> ContainerEdits:
 def plugin_spec(gpus: Iterable[Gpu], kind: str = KIND) -> dict[str, Any]:
     return cdi.build_spec(kind, [(device_name(gpu), gpu_edits(gpu)) for gpu in gpus])
 
-
-def write_plugin_spec(directory: Path, inventory: Inventory, kind: str = KIND) -> Path:
-    return cdi.write_spec(directory, cdi.spec_filename(kind), plugin_spec(inventory.gpus.values(), kind))
 
 
 def annotation_key(resource: str, unit_ids: Iterable[str]) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from gpuppetti import cdi
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.deviceplugin import cdispec
@@ -148,6 +149,7 @@ class DevicePluginManager:
         self.metrics = metrics or Metrics()
         self.cdi_dir = cdi_dir
         self.cdi_kind = cdi_kind
+        self._cdi_written: dict[str, object] | None = None
         self.kubelet_socket = directory / KUBELET_SOCKET
         self._resources: dict[str, _Supervised] = {}
 
@@ -191,10 +193,15 @@ class DevicePluginManager:
         strategies = self._inventory.config.plugin.device_list_strategy
         if self.cdi_dir is None or not any(s.startswith("cdi") for s in strategies):
             return
+        spec = cdispec.plugin_spec(self._inventory.gpus.values(), self.cdi_kind)
+        # Health changes move the inventory's version but not the spec: only GPUs coming and going do.
+        if spec == self._cdi_written:
+            return
         try:
-            path = cdispec.write_plugin_spec(self.cdi_dir, self._inventory, self.cdi_kind)
+            path = cdi.write_spec(self.cdi_dir, cdi.spec_filename(self.cdi_kind), spec)
         except OSError as exc:
             raise SocketDirError(f"cannot write the CDI spec into {self.cdi_dir}: {exc.strerror}") from exc
+        self._cdi_written = spec
         log.info("wrote CDI spec %s", path)
 
     async def _reconcile(self, group: asyncio.TaskGroup) -> None:
