@@ -106,14 +106,17 @@ class HostAgentSource:
             return facts
 
     async def poll(self, interval: float, changed: Callable[[], Awaitable[None]]) -> None:
-        """Fetch every ``interval`` seconds; call ``changed`` when the facts (or their staleness) change."""
-        previous: AgentFacts | None = None
+        """Fetch every ``interval`` seconds; call ``changed`` when the facts (or their staleness) change.
+
+        The first fetch happened before the first discovery, so this starts by waiting.
+        """
+        previous = self.current()
         while True:
+            await asyncio.sleep(interval)
             facts = await asyncio.to_thread(self.fetch_once)
             if _identity(facts) != _identity(previous):
                 await changed()
             previous = facts
-            await asyncio.sleep(interval)
 
 
 def _identity(facts: AgentFacts | None) -> tuple[object, ...] | None:
