@@ -305,6 +305,7 @@ def _manifests(args: argparse.Namespace) -> int:
         config=config_text,
         replicas=args.replicas,
         label_node=args.label_node,
+        node_selector=args.preset is None,
     )
     sys.stdout.write(manifests.to_yaml(manifests.render(options)))
     return EXIT_OK
@@ -326,11 +327,11 @@ def _sources(args: argparse.Namespace) -> Sources:
 
 def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
     """Run a long-running command; a failure we expect becomes one clear line, not a traceback."""
-    from gpuppetti.daemon import NoGpusError, StartupError
+    from gpuppetti.daemon import StartupError
     from gpuppetti.discovery import BackendUnavailable
     from gpuppetti.httpserver import AddressError
 
-    expected = (SocketDirError, NoGpusError, BackendUnavailable, StartupError, AddressError)
+    expected = (SocketDirError, BackendUnavailable, StartupError, AddressError)
     try:
         asyncio.run(main)
     except expected as exc:

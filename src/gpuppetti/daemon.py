@@ -20,10 +20,6 @@ from gpuppetti.monitor import HealthMonitor
 log = logging.getLogger(__name__)
 
 
-class NoGpusError(Exception):
-    pass
-
-
 class StartupError(Exception):
     """A long-running command cannot start; the message says why and what to do."""
 
@@ -78,14 +74,17 @@ def describe(gpus: list[Gpu]) -> str:
     return ", ".join(f"{gpu.id} ({gpu.model})" for gpu in gpus)
 
 
-async def start_inventory(sources: Sources, require_gpus: bool = True) -> tuple[Inventory, HealthMonitor]:
+async def start_inventory(sources: Sources) -> tuple[Inventory, HealthMonitor, Discovered]:
+    """Load, discover and build the inventory. Finding nothing is not an error: a daemon then serves nothing, says
+    why, and serves what appears later (a GPU hot-plugged, or a reload)."""
     found = await asyncio.to_thread(load_and_discover, sources)
-    if require_gpus and not found.gpus:
-        raise NoGpusError(nothing_found(found))
     inventory = Inventory(found.config, found.gpus)
-    log.info("found %d GPU(s) with %s: %s", len(found.gpus), ", ".join(b.name for b in found.backends),
-             describe(found.gpus))
-    return inventory, HealthMonitor(inventory, found.backends, found.agent)
+    if found.gpus:
+        log.info("found %d GPU(s) with %s: %s", len(found.gpus), ", ".join(b.name for b in found.backends),
+                 describe(found.gpus))
+    else:
+        log.warning("%s\nserving nothing until a GPU appears", nothing_found(found))
+    return inventory, HealthMonitor(inventory, found.backends, found.agent), found
 
 
 async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor) -> None:

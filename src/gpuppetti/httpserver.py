@@ -1,49 +1,68 @@
-"""The one TCP listener: /healthz (ready), /livez (alive) and /metrics, on localhost unless told otherwise.
+"""The one TCP listener: /healthz (ready), /livez (alive), /metrics and /v1/gpus.
 
-It is the standard library's WSGI server on a thread of its own, serving prometheus-client's exposition: small
-enough that the device plugin stays within its memory budget, and unaffected by a busy event loop.
+It is aiohttp's server in the process's own event loop: requests are handled concurrently, and a client that
+connects and sends nothing is dropped after a timeout, so idle connections cannot take the liveness probe down.
 """
 
 from __future__ import annotations
 
-import asyncio
+import ipaddress
 import json
 import logging
-import threading
-from collections.abc import Callable, Iterable
+import socket
+from collections.abc import Callable
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpuppetti.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-# Returns None when ready, else what it is still waiting for.
+# Returns None when ready, else what it is still waiting for; a ready process may add a note ("ok: ...").
 Readiness = Callable[[], str | None]
-POLL_INTERVAL_S = 1.0
 GPUS_PATH = "/v1/gpus"
+# A peer that connects and says nothing, or goes quiet between requests, is dropped after this long.
+KEEPALIVE_TIMEOUT_S = 5.0
+READY_NOTE = "ok: "
 
 
 class AddressError(ValueError):
     pass
 
 
-def parse_address(text: str) -> tuple[str, int]:
+def parse_address(text: str, what: str = "address") -> tuple[str | None, int]:
+    """``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT`` (every address, IPv4 and IPv6). Raises AddressError."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise AddressError(f"expected HOST:PORT such as 127.0.0.1:9400, got {text!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+        raise AddressError(f"{what}: expected HOST:PORT such as 127.0.0.1:9400, [::1]:9400 or :9400, got {text!r}")
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise AddressError(f"{what}: unbalanced brackets in {text!r}")
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise AddressError(f"{what}: {host!r} in brackets is not an IPv6 address (in {text!r})") from None
+    elif ":" in host:
+        raise AddressError(f"{what}: write an IPv6 address in brackets, as [{host}]:{port}")
+    elif host and not _is_host(host):
+        raise AddressError(f"{what}: {host!r} is not an IP address or host name (in {text!r})")
+    return (host or None), int(port)
 
 
-class _ThreadingServer(WSGIServer):
-    daemon_threads = True
+def _is_host(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        labels = text.rstrip(".").split(".")
+        return all(label and len(label) <= 63 and label.replace("-", "").isalnum() for label in labels)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("http: " + format, *args)
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class HttpServer:
@@ -53,51 +72,67 @@ class HttpServer:
         self._metrics = metrics
         self._readiness = readiness
         self._inventory = inventory
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
         self.address = ""
 
-    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [("Content-Type", "text/plain")])
-            return [b"only GET\n"]
-        if path in ("/healthz", "/readyz"):
-            waiting = self._readiness()
-            if waiting is None:
-                start_response("200 OK", [("Content-Type", "text/plain")])
-                return [b"ok\n"]
-            start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
-            return [f"not ready: {waiting}\n".encode()]
-        if path == "/livez":
-            start_response("200 OK", [("Content-Type", "text/plain")])
-            return [b"ok\n"]
-        if path == GPUS_PATH and self._inventory is not None:
-            # What the running process serves, facts' staleness included: `gpuppetti discover --from` shows it.
-            start_response("200 OK", [("Content-Type", "application/json")])
-            return [json.dumps(self._inventory()).encode()]
-        if path == "/metrics":
-            start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
-            return [generate_latest(self._metrics.registry)]
-        start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [f"not found: try /healthz, /livez, {GPUS_PATH} or /metrics\n".encode()]
+    async def _healthz(self, request: web.Request) -> web.Response:
+        waiting = self._readiness()
+        if waiting is None:
+            return web.Response(text="ok\n")
+        if waiting.startswith(READY_NOTE):
+            return web.Response(text=f"{waiting}\n")
+        return web.Response(status=503, text=f"not ready: {waiting}\n")
+
+    async def _livez(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _gpus(self, request: web.Request) -> web.Response:
+        # What the running process serves, facts' staleness included: `gpuppetti discover --from` shows it.
+        assert self._inventory is not None
+        return web.Response(text=json.dumps(self._inventory()), content_type="application/json")
+
+    async def _metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        return web.Response(status=404, text=f"not found: try /healthz, /livez, {GPUS_PATH} or /metrics\n")
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        for path in ("/healthz", "/readyz"):
+            app.router.add_get(path, self._healthz)
+        app.router.add_get("/livez", self._livez)
+        app.router.add_get("/metrics", self._metrics_page)
+        if self._inventory is not None:
+            app.router.add_get(GPUS_PATH, self._gpus)
+        app.router.add_route("GET", "/{tail:.*}", self._not_found)
+        return app
 
     async def start(self, address: str) -> None:
-        host, port = parse_address(address)
+        host, port = parse_address(address, "--http-address")
+        # A connection that says nothing is closed after the keep-alive timeout, which starts when it opens.
+        runner = web.AppRunner(self._app(), handle_signals=False, access_log=None,
+                               keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        await runner.setup()
         try:
-            server = make_server(host, port, self._app, server_class=_ThreadingServer, handler_class=_QuietHandler)
+            # No host: every address, IPv6 included where the machine has it.
+            await web.TCPSite(runner, host, port, reuse_address=True).start()
         except OSError as exc:
+            await runner.cleanup()
             raise AddressError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
-        self._server = server
-        self.address = f"{host}:{server.server_port}"
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": POLL_INTERVAL_S}, name="http", daemon=True)
-        self._thread.start()
+        self._runner = runner
+        bound = runner.addresses[0]
+        bound_host = str(bound[0])
+        if host is None:
+            bound_host = "127.0.0.1" if _family(bound_host) == socket.AF_INET else "::1"
+        self.address = format_address(bound_host, int(bound[1]))
         log.info("serving /healthz and /metrics on http://%s", self.address)
 
     async def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
-            return
-        await asyncio.to_thread(server.shutdown)
-        server.server_close()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

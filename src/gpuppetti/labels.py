@@ -12,8 +12,12 @@ from gpuppetti.inventory import Inventory
 
 log = logging.getLogger(__name__)
 
-PREFIX = "gpuppetti.dev/"
+# Only the labels under this prefix are the labeller's; gpuppetti.dev/mode, which an operator sets to choose where
+# the DaemonSets run, is left alone.
+PREFIX = "gpuppetti.dev/gpu."
 RETRY_MAX_S = 30.0
+# At stop, how long to try to remove the labels before giving up (the API may be away).
+CLEAR_TIMEOUT_S = 5.0
 
 
 def label_value(text: str) -> str:
@@ -31,17 +35,17 @@ def node_labels(inventory: Inventory) -> dict[str, str]:
     same = [g for g in gpus if g.vendor is first.vendor and g.model == first.model]
     units = [u for plan in inventory.plan.values() for u in plan.units if u.gpu_id == first.id]
     labels = {
-        "gpu.present": "true",
-        "gpu.vendor": first.vendor.value,
-        "gpu.model": label_value(first.model),
-        "gpu.count": str(len(same)),
-        "gpu.replicas": str(len(units) or 1),
-        "gpu.sharing-strategy": sharing_mode(units) if units else "none",
+        "present": "true",
+        "vendor": first.vendor.value,
+        "model": label_value(first.model),
+        "count": str(len(same)),
+        "replicas": str(len(units) or 1),
+        "sharing-strategy": sharing_mode(units) if units else "none",
     }
     if first.cores is not None:
-        labels["gpu.cores"] = str(first.cores)
+        labels["cores"] = str(first.cores)
     if first.memory_bytes is not None:
-        labels["gpu.memory"] = str(first.memory_bytes // 2**20)  # MiB, as GPU Feature Discovery reports it
+        labels["memory"] = str(first.memory_bytes // 2**20)  # MiB, as GPU Feature Discovery reports it
     return {PREFIX + key: value for key, value in labels.items() if value}
 
 
@@ -55,10 +59,10 @@ class NodeLabeler:
         self._inventory = inventory
         self.node = node
 
-    async def sync(self) -> None:
+    async def sync(self, wanted: dict[str, str] | None = None) -> None:
         found = await self._core.read_node(self.node)
         current = {k: v for k, v in (found.metadata.labels or {}).items() if k.startswith(PREFIX)}
-        wanted = node_labels(self._inventory)
+        wanted = node_labels(self._inventory) if wanted is None else wanted
         patch: dict[str, str | None] = {k: v for k, v in wanted.items() if current.get(k) != v}
         patch.update({k: None for k in current if k not in wanted})
         if patch:
@@ -79,3 +83,12 @@ class NodeLabeler:
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
             await self._inventory.wait_for_change(seen)
+
+    async def clear(self) -> None:
+        """Remove this node's labels when the plugin stops: a node whose plugin is gone serves no GPU."""
+        try:
+            async with asyncio.timeout(CLEAR_TIMEOUT_S):
+                await self.sync(wanted={})
+        except Exception as exc:  # stopping must not fail because the API is away
+            log.warning("could not remove the labels of node %s (%s); they stay until the plugin runs again",
+                        self.node, exc)

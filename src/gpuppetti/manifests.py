@@ -1,9 +1,9 @@
 """Ready-to-apply cluster manifests for both modes; the kustomize bases under deploy/ are rendered from here.
 
 The containers run as root because the kubelet's sockets and directories belong to root; they drop every
-capability, cannot escalate, and have a read-only root filesystem. The device plugin mounts the kubelet's device
-plugin directory read-write and the host's /sys and /dev read-only; the DRA driver also needs the plugin registry,
-its plugin directory and /var/run/cdi, where it writes CDI specs.
+capability, cannot escalate, and have a read-only root filesystem. Both mount the host's root read-only under /host
+and /var/run/cdi read-write; the device plugin also mounts the kubelet's device plugin directory, the DRA driver the
+plugin registry and its plugin directory. They run only on nodes labelled gpuppetti.dev/mode=plugin or =dra.
 """
 
 from __future__ import annotations
@@ -16,16 +16,31 @@ import yaml
 
 from gpuppetti import __version__
 from gpuppetti.config import parse_config
-from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME
+from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Vendor
 
 Mode = Literal["plugin", "dra"]
 DEFAULT_NAMESPACE = "gpuppetti"
 DEFAULT_IMAGE = f"ghcr.io/gpuppetti/gpuppetti:{__version__}"
 HTTP_PORT = 9400
 LABELS = {"app.kubernetes.io/name": "gpuppetti", "app.kubernetes.io/part-of": "gpuppetti"}
+COMPONENTS: dict[Mode, str] = {"plugin": "device-plugin", "dra": "dra"}
 CONFIG_PATH = "/etc/gpuppetti/config.yaml"
+HOST_ROOT = "/host"
 DRIVER = "gpu.gpuppetti.dev"
 ALL_RESOURCES = (*DEFAULT_RESOURCE_NAMES.values(), FALLBACK_RESOURCE_NAME)
+# The node label an operator sets on GPU nodes: which of the two modes runs there (one per node).
+MODE_LABEL = "gpuppetti.dev/mode"
+# Per-vendor DeviceClasses: the vendors' devices, and the extended resource a device plugin would advertise.
+VENDOR_CLASSES: dict[str, tuple[tuple[str, ...], str]] = {
+    **{vendor.value: ((vendor.value,), name) for vendor, name in DEFAULT_RESOURCE_NAMES.items()},
+    "generic": ((Vendor.VIRTIO.value, Vendor.OTHER.value), FALLBACK_RESOURCE_NAME),
+}
+# The GPU taints operators put on GPU nodes, and the critical-addons taint: not every taint, so that a node
+# tainted for other reasons (maintenance, another team's hardware) is left alone.
+TOLERATIONS: list[dict[str, str]] = [
+    {"key": "CriticalAddonsOnly", "operator": "Exists"},
+    *({"key": name, "operator": "Exists", "effect": "NoSchedule"} for name in ALL_RESOURCES),
+]
 
 PRESETS: dict[str, str] = {
     # minikube --driver krunkit on an Apple silicon Mac: the Mac's GPU is the VM's virtio-gpu (Vulkan via Venus).
@@ -60,6 +75,8 @@ class Options:
     config: str | None = None
     replicas: int | None = None
     label_node: bool = False
+    # Off for a single-node sandbox (the minikube preset): the one node is the GPU node.
+    node_selector: bool = True
 
 
 def default_config(replicas: int | None) -> str:
@@ -77,11 +94,17 @@ def _config_text(options: Options) -> str:
     return text
 
 
-def _metadata(name: str, namespace: str | None, component: str) -> dict[str, Any]:
-    metadata: dict[str, Any] = {"name": name, "labels": {**LABELS, "app.kubernetes.io/component": component}}
+def _metadata(name: str, namespace: str | None, component: str | None) -> dict[str, Any]:
+    labels = {**LABELS, "app.kubernetes.io/component": component} if component else dict(LABELS)
+    metadata: dict[str, Any] = {"name": name, "labels": labels}
     if namespace is not None:
         metadata["namespace"] = namespace
     return metadata
+
+
+def config_map_name(mode: Mode) -> str:
+    # One per mode: applying both bases must not let one mode's config replace the other's.
+    return f"gpuppetti-{COMPONENTS[mode]}-config"
 
 
 def _host_path(name: str, path: str, kind: str = "Directory") -> dict[str, Any]:
@@ -92,10 +115,7 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
                volumes: list[dict[str, Any]], service_account: str | None) -> dict[str, Any]:
     name = f"gpuppetti-{component}"
     selector = {"app.kubernetes.io/name": "gpuppetti", "app.kubernetes.io/component": component}
-    env = [
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-    ]
+    env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     probe_port = {"port": HTTP_PORT}
     container: dict[str, Any] = {
         "name": component,
@@ -117,10 +137,14 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
     }
     spec: dict[str, Any] = {
         "priorityClassName": "system-node-critical",
-        "tolerations": [{"operator": "Exists"}],
+        "tolerations": TOLERATIONS,
         "containers": [container],
-        "volumes": [{"name": "config", "configMap": {"name": "gpuppetti-config"}}, *volumes],
+        "volumes": [{"name": "config", "configMap": {"name": config_map_name(options.mode)}}, *volumes],
     }
+    if options.node_selector:
+        # Only where an operator said GPUs are, and one mode per node: the device plugin and the DRA driver never
+        # serve the same resource name on one node.
+        spec["nodeSelector"] = {MODE_LABEL: options.mode}
     if service_account:
         spec["serviceAccountName"] = service_account
     return {
@@ -136,22 +160,31 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
 
 
 def _host_mounts() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    mounts = [
-        {"name": "host-sys", "mountPath": "/host/sys", "readOnly": True},
-        {"name": "host-dev", "mountPath": "/host/dev", "readOnly": True},
-    ]
-    volumes = [_host_path("host-sys", "/sys"), _host_path("host-dev", "/dev")]
+    # The host's root, read-only: /sys and /dev for DRM, /proc/driver/nvidia for NVIDIA's UUIDs and minor numbers,
+    # and the driver's libnvidia-ml.so.1 for NVML, wherever the distribution keeps it.
+    mounts = [{"name": "host-root", "mountPath": HOST_ROOT, "readOnly": True}]
+    volumes = [_host_path("host-root", "/")]
     return mounts, volumes
 
 
 def _common_args() -> list[str]:
-    return ["--config", CONFIG_PATH, "--host-root", "/host", "--http-address", f"$(POD_IP):{HTTP_PORT}"]
+    # Every address of the pod: the probes reach it on the pod IP (IPv4 or IPv6), and
+    # `gpuppetti discover --from http://127.0.0.1:9400` works from inside the pod.
+    return ["--config", CONFIG_PATH, "--host-root", HOST_ROOT, "--http-address", f":{HTTP_PORT}"]
+
+
+def _cdi_mount() -> tuple[dict[str, Any], dict[str, Any]]:
+    return {"name": "cdi", "mountPath": "/var/run/cdi"}, _host_path("cdi", "/var/run/cdi", "DirectoryOrCreate")
 
 
 def device_plugin(options: Options) -> list[dict[str, Any]]:
     mounts, volumes = _host_mounts()
     mounts.insert(0, {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"})
     volumes.insert(0, _host_path("device-plugins", "/var/lib/kubelet/device-plugins"))
+    # Where the CDI spec goes with a CDI deviceListStrategy; the runtime reads it on the host.
+    cdi_mount, cdi_volume = _cdi_mount()
+    mounts.append(cdi_mount)
+    volumes.append(cdi_volume)
     # The host agent's token, where a Mac runs one; optional, so that nodes without it start the same.
     mounts.append({"name": "host-agent-token", "mountPath": "/var/run/secrets/gpuppetti-host-agent",
                    "readOnly": True})
@@ -167,7 +200,7 @@ def device_plugin(options: Options) -> list[dict[str, Any]]:
              "metadata": _metadata(account, options.namespace, "device-plugin")},
             {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
              "metadata": _metadata(account, None, "device-plugin"),
-             # Only get and patch: the plugin reads its Node and merges its gpuppetti.dev/ labels.
+             # Only get and patch: the plugin reads its Node and merges its gpuppetti.dev/gpu. labels.
              "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]},
             {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
              "metadata": _metadata(account, None, "device-plugin"),
@@ -177,14 +210,41 @@ def device_plugin(options: Options) -> list[dict[str, Any]]:
     return [*objects, _daemonset(options, "device-plugin", args, mounts, volumes, account)]
 
 
+def _device_class(name: str, expression: str, extended_resource: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"selectors": [{"cel": {"expression": expression}}]}
+    if extended_resource:
+        # A pod asking for this resource in its limits is served by DRA on nodes where no device plugin
+        # advertises it (DRAExtendedResource).
+        spec["extendedResourceName"] = extended_resource
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": _metadata(name, None, "dra"),
+            "spec": spec}
+
+
+def device_classes() -> list[dict[str, Any]]:
+    """The generic class, the partition class, and one class per vendor named after its extended resource."""
+    driver = f"device.driver == '{DRIVER}'"
+    attrs = f"device.attributes['{DRIVER}']"
+    whole = f"(!('partitions' in {attrs}) || {attrs}.partitions == 1)"
+    classes = [
+        _device_class(DRIVER, driver),
+        _device_class(f"partition.{DRIVER}", f"{driver} && 'partitions' in {attrs} && {attrs}.partitions > 1"),
+    ]
+    for name, (vendors, resource) in VENDOR_CLASSES.items():
+        chosen = " || ".join(f"{attrs}.vendor == '{vendor}'" for vendor in vendors)
+        classes.append(_device_class(f"{name}.{DRIVER}", f"{driver} && ({chosen}) && {whole}", resource))
+    return classes
+
+
 def dra_driver(options: Options) -> list[dict[str, Any]]:
     namespace = options.namespace
     mounts, volumes = _host_mounts()
     for name, path, kind in (("plugins-registry", "/var/lib/kubelet/plugins_registry", "Directory"),
-                             ("plugins", "/var/lib/kubelet/plugins", "Directory"),
-                             ("cdi", "/var/run/cdi", "DirectoryOrCreate")):
+                             ("plugins", "/var/lib/kubelet/plugins", "Directory")):
         mounts.insert(0, {"name": name, "mountPath": path})
         volumes.insert(0, _host_path(name, path, kind))
+    cdi_mount, cdi_volume = _cdi_mount()
+    mounts.insert(0, cdi_mount)
+    volumes.insert(0, cdi_volume)
     account = "gpuppetti-dra"
     rbac: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(account, namespace, "dra")},
@@ -201,26 +261,15 @@ def dra_driver(options: Options) -> list[dict[str, Any]]:
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": account},
          "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]},
     ]
-    classes: list[dict[str, Any]] = [
-        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": _metadata(DRIVER, None, "dra"),
-         "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}],
-                  # A pod asking for apple.com/gpu in its limits can be served by DRA (DRAExtendedResource).
-                  "extendedResourceName": "apple.com/gpu"}},
-        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-         "metadata": _metadata(f"partition.{DRIVER}", None, "dra"),
-         "spec": {"selectors": [{"cel": {"expression": (
-             f"device.driver == '{DRIVER}' && 'partitions' in device.attributes['{DRIVER}'] && "
-             f"device.attributes['{DRIVER}'].partitions > 1")}}]}},
-    ]
     args = ["dra", *_common_args(), "--node-name", "$(NODE_NAME)"]
-    return [*rbac, *classes, _daemonset(options, "dra", args, mounts, volumes, account)]
+    return [*rbac, *device_classes(), _daemonset(options, "dra", args, mounts, volumes, account)]
 
 
 def render(options: Options) -> list[dict[str, Any]]:
     objects: list[dict[str, Any]] = [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": _metadata(options.namespace, None, options.mode)},
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": _metadata(options.namespace, None, None)},
         {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": _metadata("gpuppetti-config", options.namespace, options.mode),
+         "metadata": _metadata(config_map_name(options.mode), options.namespace, COMPONENTS[options.mode]),
          "data": {"config.yaml": _config_text(options)}},
     ]
     objects += device_plugin(options) if options.mode == "plugin" else dra_driver(options)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import DaemonProcess, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -31,10 +33,23 @@ def test_config_from_the_environment(tmp_path: Path) -> None:
     assert f"{config}: unknown: unknown key" in result.stderr
 
 
-def test_no_gpus_is_a_clear_error(tmp_path: Path) -> None:
-    result = run_cli("plugin", "--backend", "simulated", "--device-plugin-dir", str(tmp_path))
-    assert result.returncode == 1
-    assert "no GPUs found" in result.stderr
+async def test_no_gpus_keeps_the_plugin_up_saying_why(tmp_path: Path) -> None:
+    plugin = DaemonProcess(["plugin", "--backend", "simulated", "--device-plugin-dir", str(tmp_path / "dp")], None,
+                           tmp_path, "no-gpus")
+    try:
+        url = await plugin.http_url()
+        await plugin.wait_for_log("serving nothing until a GPU appears")
+        status, body = await asyncio.to_thread(_get, url + "/healthz")
+        assert (status, body.startswith("ok: no GPUs found on this node")) == (200, True), body
+        assert plugin.process.poll() is None
+        assert await plugin.stop() == 0
+    finally:
+        plugin.kill()
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        return answer.status, answer.read().decode()
 
 
 def test_unusable_socket_directory_is_a_clear_error(tmp_path: Path) -> None:

@@ -234,6 +234,8 @@ async def test_health_stream_and_taints(cluster: Cluster) -> None:
     await cluster.kubelet.wait_for(lambda: plugin.health_updates > 0)
     assert sorted((pool, name, status) for pool, name, status, _ in plugin.health) == [
         (NODE, "gpu-apple-0", 1), (NODE, "gpu-apple-1", 1)]
+    # Slices are published once the registration is confirmed, which may come after the first health list.
+    await cluster.wait_slices(lambda s: len(s) == 1)
     assert driver.config_path is not None
     driver.config_path.write_text(TWO_M3_MAX.replace("numaNode: 0}", "numaNode: 0, health: Unhealthy}"))
     driver.send(signal.SIGHUP)

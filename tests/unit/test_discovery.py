@@ -12,7 +12,7 @@ from gpuppetti.config import VirtioSection
 from gpuppetti.discovery import BackendUnavailable, backends_for, discover
 from gpuppetti.discovery.drm import DrmBackend
 from gpuppetti.discovery.macos import parse_ioreg, parse_system_profiler
-from gpuppetti.discovery.nvml import NvmlBackend, normalise_bus_id
+from gpuppetti.discovery.nvml import NvmlBackend, normalise_bus_id, preload_host_library
 from gpuppetti.model import Health, HealthEvent, Vendor
 from tests.fixtures import RADEON_VRAM, amd_machine, intel_machine, nvidia_machine, two_vendor_machine, virtio_vm
 from tests.helpers import FAKES, config_from
@@ -203,3 +203,15 @@ def test_auto_merges_and_nvml_wins_for_nvidia(tmp_path: Path, monkeypatch: pytes
     backends = backends_for(config, "simulated")
     gpus = discover([nvml, drm, *backends])
     assert [(g.id, g.backend) for g in gpus] == [("GPU-real", "nvml"), ("sim-other-0", "simulated")]
+
+
+def test_the_host_nvml_library_is_loaded_by_path_under_a_host_root(tmp_path: Path) -> None:
+    loaded: list[str] = []
+    assert preload_host_library(tmp_path, loaded.append) is None, "no library under this root"
+    library = tmp_path / "run/nvidia/driver/usr/lib64/libnvidia-ml.so.1"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+    assert preload_host_library(tmp_path, loaded.append) == library
+    assert loaded == [str(library)]
+    assert preload_host_library(Path("/"), loaded.append) is None, "on the host the loader finds it by name"
+    assert len(loaded) == 1

@@ -118,13 +118,17 @@ def test_daemonset_security_and_mounts() -> None:
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]}
-    assert mounts == {"/etc/gpuppetti": True, "/var/lib/kubelet/device-plugins": False, "/host/sys": True,
-                      "/host/dev": True, "/var/run/secrets/gpuppetti-host-agent": True}
+    assert mounts == {"/etc/gpuppetti": True, "/var/lib/kubelet/device-plugins": False, "/host": True,
+                      "/var/run/cdi": False, "/var/run/secrets/gpuppetti-host-agent": True}
+    [host] = [v for v in spec["volumes"] if v["name"] == "host-root"]
+    assert host["hostPath"]["path"] == "/", "/proc and the NVML library come from the host too"
     [secret] = [v for v in spec["volumes"] if "secret" in v]
     assert secret["secret"] == {"secretName": "gpuppetti-host-agent", "optional": True}
     assert "serviceAccountName" not in spec, "without --label-node the plugin needs no API access"
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
-    assert "$(POD_IP):9400" in container["args"]
+    assert ":9400" in container["args"], "every address of the pod: IPv4, IPv6 and 127.0.0.1"
+    assert spec["nodeSelector"] == {"gpuppetti.dev/mode": "plugin"}
+    assert {"operator": "Exists"} not in spec["tolerations"], "not every taint"
 
 
 def test_label_node_adds_only_get_and_patch_on_nodes() -> None:
@@ -158,10 +162,29 @@ def test_validation_really_rejects_bad_objects() -> None:
         kubernetes_validate.validate(device_class, "1.34", strict=True)
 
 
-def test_device_class_selects_the_default_driver() -> None:
-    classes = [o for o in manifests.dra_driver(manifests.Options()) if o["kind"] == "DeviceClass"]
-    assert classes[0]["metadata"]["name"] == DraSection().driver_name
-    assert classes[0]["spec"]["extendedResourceName"] == "apple.com/gpu"
+def test_device_classes_one_generic_and_one_per_vendor() -> None:
+    classes = {o["metadata"]["name"]: o["spec"] for o in manifests.dra_driver(manifests.Options())
+               if o["kind"] == "DeviceClass"}
+    driver = DraSection().driver_name
+    assert "extendedResourceName" not in classes[driver]
+    bridged = {name: spec.get("extendedResourceName") for name, spec in classes.items()}
+    assert bridged == {
+        driver: None, f"partition.{driver}": None, f"apple.{driver}": "apple.com/gpu",
+        f"nvidia.{driver}": "nvidia.com/gpu", f"amd.{driver}": "amd.com/gpu",
+        f"intel.{driver}": "gpu.intel.com/i915", f"generic.{driver}": "gpuppetti.dev/gpu",
+    }
+    assert "vendor == 'apple'" in classes[f"apple.{driver}"]["selectors"][0]["cel"]["expression"]
+
+
+def test_each_mode_has_its_own_config_and_node_label() -> None:
+    objects = [*_cli("--mode", "plugin"), *_cli("--mode", "dra")]
+    maps = [o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"]
+    assert maps == ["gpuppetti-device-plugin-config", "gpuppetti-dra-config"]
+    daemonsets = [o["spec"]["template"]["spec"] for o in objects if o["kind"] == "DaemonSet"]
+    assert [d["nodeSelector"] for d in daemonsets] == [{"gpuppetti.dev/mode": "plugin"}, {"gpuppetti.dev/mode": "dra"}]
+    assert [d["volumes"][0]["configMap"]["name"] for d in daemonsets] == maps
+    [preset] = [o for o in _cli("--preset", "minikube-krunkit") if o["kind"] == "DaemonSet"]
+    assert "nodeSelector" not in preset["spec"]["template"]["spec"], "the one node of the VM has the GPU"
 
 
 def test_example_gpu_config_decodes() -> None:

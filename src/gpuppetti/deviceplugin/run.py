@@ -9,7 +9,8 @@ from pathlib import Path
 
 from gpuppetti.daemon import Sources, StartupError, reload, serve_until_signalled, start_inventory
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
-from gpuppetti.httpserver import HttpServer
+from gpuppetti.discovery import looked_at
+from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.metrics import Metrics
 from gpuppetti.report import gpu_records
 
@@ -28,13 +29,19 @@ async def run_plugin(
     sources: Sources, device_plugin_dir: Path, http_address: str | None, cdi_dir: Path | None = None,
     labelling: Labelling | None = None,
 ) -> None:
-    inventory, monitor = await start_inventory(sources)
+    inventory, monitor, found = await start_inventory(sources)
     for name, plan in inventory.plan.items():
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
     metrics = Metrics()
     metrics.watch(inventory)
     manager = DevicePluginManager(inventory, device_plugin_dir, metrics, cdi_dir)
-    http = HttpServer(metrics, manager.waiting_for, lambda: gpu_records(inventory))
+
+    def waiting_for() -> str | None:
+        if not inventory.gpus:
+            return f"{READY_NOTE}no GPUs found on this node; serving nothing ({'; '.join(looked_at(found.backends))})"
+        return manager.waiting_for()
+
+    http = HttpServer(metrics, waiting_for, lambda: gpu_records(inventory))
     if http_address:
         await http.start(http_address)
 
@@ -49,21 +56,26 @@ async def run_plugin(
         except Exception as exc:
             raise StartupError(f"--label-node cannot configure the Kubernetes API client: {exc}") from exc
 
+    labeler = None
+    if api is not None and labelling is not None:
+        from gpuppetti.labels import NodeLabeler
+
+        labeler = NodeLabeler(api, inventory, labelling.node)
+
     async def serve(stop: asyncio.Event) -> None:
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(manager.run(stop), name="device-plugin")
                 background = [group.create_task(monitor.run(), name="health-monitor")]
-                if api is not None and labelling is not None:
-                    from gpuppetti.labels import NodeLabeler
-
-                    labeler = NodeLabeler(api, inventory, labelling.node)
+                if labeler is not None:
                     background.append(group.create_task(labeler.run(), name="node-labels"))
                 await stop.wait()
                 for task in background:
                     task.cancel()
         finally:
             await http.stop()
+            if labeler is not None:
+                await labeler.clear()
             if api is not None:
                 await api.close()
 

@@ -127,6 +127,8 @@ class DrmBackend:
         self._virtio = virtio
         self._agent = agent
         self.drm_dir = host_root / "sys/class/drm"
+        # What was worth a warning once: discovery runs again at every health poll.
+        self._warned: set[str | None] = set()
 
     def available(self) -> bool:
         return self.drm_dir.is_dir()
@@ -206,6 +208,11 @@ class DrmBackend:
             uuid = _read(device / "unique_id") or None
         elif kind is Vendor.NVIDIA:
             proc = _nvidia_proc(self.host_root, pci)
+            if (proc is None or proc.minor is None) and pci not in self._warned:
+                self._warned.add(pci)
+                log.warning("NVIDIA GPU %s: no %s under %s, so no /dev/nvidiaN for it: CUDA containers need the "
+                            "host's /proc (mount the host's root, as the DaemonSet does) or the nvml backend",
+                            pci, "proc/driver/nvidia/gpus/<bus id>/information", self.host_root)
             if proc is not None:
                 uuid, model = proc.uuid, proc.model
                 if proc.minor is not None:

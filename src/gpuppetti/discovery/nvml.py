@@ -21,6 +21,44 @@ log = logging.getLogger(__name__)
 
 WAIT_MS = 1000
 NVML_MODULE = "pynvml"
+NVML_LIBRARY = "libnvidia-ml.so.1"
+# Where distributions and the GPU operator keep the driver's NVML library, relative to the host's root.
+NVML_LIBRARY_DIRS = (
+    "usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib", "lib64",
+    "run/nvidia/driver/usr/lib/x86_64-linux-gnu", "run/nvidia/driver/usr/lib/aarch64-linux-gnu",
+    "run/nvidia/driver/usr/lib64", "home/kubernetes/bin/nvidia/lib64", "usr/local/nvidia/lib64",
+)
+
+
+def host_nvml_library(host_root: Path) -> Path | None:
+    """The host's NVML library under ``host_root``, where the plugin runs in a container that mounts the host."""
+    for directory in NVML_LIBRARY_DIRS:
+        candidate = host_root / directory / NVML_LIBRARY
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def preload_host_library(host_root: Path, load: Callable[[str], object] | None = None) -> Path | None:
+    """Load the host's libnvidia-ml.so.1 by path, so that nvidia-ml-py's later load by name finds it (the dynamic
+    loader matches an already loaded library by its soname). Nothing to do when the host root is ``/``."""
+    if host_root == Path("/"):
+        return None
+    library = host_nvml_library(host_root)
+    if library is None:
+        return None
+    if load is None:
+        import ctypes
+
+        def load(path: str) -> object:
+            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    try:
+        load(str(library))
+    except OSError as exc:
+        log.warning("cannot load the host's NVML library %s: %s", library, exc)
+        return None
+    log.info("loaded the host's NVML library %s", library)
+    return library
 
 
 def _text(value: Any) -> str:
@@ -50,6 +88,8 @@ class NvmlBackend:
                 self._nvml = importlib.import_module(NVML_MODULE)
             except ImportError:
                 self._why_not = "nvidia-ml-py is not installed (pip install 'gpuppetti[nvml]')"
+                return None
+            preload_host_library(self.host_root)
         return self._nvml
 
     def available(self) -> bool:

@@ -174,6 +174,9 @@ class Registration(reg_grpc.RegistrationServicer):
         self._endpoint = endpoint
         self.registered = False
         self.last_error = ""
+        # Set once the kubelet has confirmed a registration: a slice published earlier could be scheduled to, and
+        # the kubelet would fail that pod's Prepare ("driver not registered") and retry only a minute later.
+        self.confirmed = asyncio.Event()
 
     async def GetInfo(
         self, request: reg.InfoRequest, context: grpc.aio.ServicerContext
@@ -188,6 +191,7 @@ class Registration(reg_grpc.RegistrationServicer):
         self.last_error = request.error
         if request.plugin_registered:
             log.info("registered with the kubelet as DRA driver %s", self._driver)
+            self.confirmed.set()
         else:
             log.error("the kubelet refused the registration of %s: %s", self._driver, request.error)
         return reg.RegistrationStatusResponse()

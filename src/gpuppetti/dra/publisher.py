@@ -30,8 +30,10 @@ RETRY_MAX_S = 10.0
 
 class SlicePublisher:
     def __init__(
-        self, api: client.ApiClient, inventory: Inventory, node: str, owner: dict[str, Any] | None, metrics: Metrics
+        self, api: client.ApiClient, inventory: Inventory, node: str, owner: dict[str, Any] | None, metrics: Metrics,
+        registered: asyncio.Event | None = None,
     ) -> None:
+        self._registered = registered
         self._custom = client.CustomObjectsApi(api)
         self._metrics = metrics
         self._inventory = inventory
@@ -54,6 +56,9 @@ class SlicePublisher:
         return f"spec.nodeName={self.node},spec.driver={self.driver}"
 
     async def run(self) -> None:
+        if self._registered is not None and not self._registered.is_set():
+            log.info("waiting for the kubelet to register the driver before publishing ResourceSlices")
+            await self._registered.wait()
         async with asyncio.TaskGroup() as group:
             group.create_task(self._follow_inventory(), name="slices-inventory")
             group.create_task(self._watch(), name="slices-watch")
@@ -146,7 +151,8 @@ class SlicePublisher:
                         if event["type"] != "DELETED" and name in self._in_flight:
                             continue
                         if event["type"] == "DELETED" or self._written.get(name) != rv:
-                            if event["type"] == "DELETED":
+                            # Only a slice the pool still needs is a loss; a surplus one this driver deleted is not.
+                            if event["type"] == "DELETED" and name in self._written:
                                 log.warning("ResourceSlice %s was deleted; publishing it again", name)
                             self._dirty.set()
             except (TimeoutError, ApiException, OSError) as exc:

@@ -64,9 +64,11 @@ async def _keep_cdi_specs(state: DraState) -> None:
         async for event in watch_directory(state.cdi_dir):
             lost = event.change is Change.DELETED and event.name.startswith(cdi.spec_prefix(state.kind))
             if lost or event.change is Change.RESCAN:
+                # Only specs of claims still prepared come back; the driver's own removals are not losses.
                 restored = state.restore()
                 if restored:
-                    log.warning("CDI specs were removed from %s; re-created %d", state.cdi_dir, restored)
+                    log.warning("CDI specs of prepared claims were removed from %s; re-created %d",
+                                state.cdi_dir, restored)
         await asyncio.sleep(0.5)
         restored = state.restore()
         log.warning("CDI directory %s was removed; re-created it with %d spec(s)", state.cdi_dir, restored)
@@ -76,7 +78,7 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
     if not options.node_name:
         raise StartupError("the node name is required: pass --node-name or set NODE_NAME "
                               "(in a DaemonSet, from the downward API: fieldRef spec.nodeName)")
-    inventory, monitor = await start_inventory(sources, require_gpus=False)
+    inventory, monitor, _ = await start_inventory(sources)
     driver = inventory.config.dra.driver_name
     plugin_dir = options.plugins_dir / driver
     for directory in (plugin_dir, options.registry_dir, options.cdi_dir):
@@ -109,7 +111,8 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
     registration_server = new_server()
     reg_grpc.add_RegistrationServicer_to_server(registration, registration_server)
 
-    publisher = SlicePublisher(api, inventory, options.node_name, await node_owner(api, options.node_name), metrics)
+    publisher = SlicePublisher(api, inventory, options.node_name, await node_owner(api, options.node_name), metrics,
+                               registration.confirmed)
 
     def waiting_for() -> str | None:
         if not registration.registered:

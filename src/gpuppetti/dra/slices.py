@@ -64,16 +64,21 @@ def _capacity(amounts: Mapping[str, Fraction]) -> dict[str, dict[str, Any]]:
 
 
 def _consumable_capacity(gpu: Gpu, shares: int) -> dict[str, dict[str, Any]]:
+    """Each capacity with a request policy. A claim that names none takes 1/shares of each; a claim that names some
+    takes what it names, and of the others only the minimum: the scheduler charges a capacity's default to every
+    claim that leaves it out, so a default share of 1/shares would cap a GPU at ``shares`` claims however little
+    each asks for. ``share`` then keeps its 1/shares default only for a GPU whose cores and memory are unknown."""
     whole = _share(gpu, Fraction(1))
     default = _share(gpu, Fraction(1, shares))
+    measured = "cores" in whole or "memory" in whole
     capacity: dict[str, dict[str, Any]] = {}
     for name, total in whole.items():
-        minimum = {"share": Fraction(1, 1000), "cores": Fraction(1), "memory": Fraction(2**20)}[name]
-        minimum = min(minimum, total) if total > 0 else minimum
         if total <= 0:
             continue
+        minimum = min({"share": Fraction(1, 1000), "cores": Fraction(1), "memory": Fraction(2**20)}[name], total)
+        wanted = minimum if name == "share" and measured else max(default[name], minimum)
         policy: dict[str, Any] = {
-            "default": _q(name, max(default[name], minimum)),
+            "default": _q(name, wanted),
             "validRange": {"min": _q(name, minimum), "max": _q(name, total), "step": _q(name, minimum)},
         }
         capacity[name] = {"value": _q(name, total), "requestPolicy": policy}

@@ -121,6 +121,21 @@ def request_edits(
     return edits
 
 
+def _cannot_honour(config: opaque.GpuConfig, share: _Share) -> str | None:
+    """Why ``config``'s strategy cannot be what ``share`` gets; None when it can. Running the pod anyway would
+    promise what nobody delivers."""
+    strategy = config.sharing.strategy
+    if strategy == "Exclusive" and share.share_id:
+        return "in consumable mode the device shares its capacity with other claims (dra.slicing: whole gives " \
+               "a claim the GPU to itself)"
+    if strategy == "Exclusive" and share.device.partitions > 1:
+        return "a partition shares its GPU with the other partitions (dra.slicing: whole gives a claim the GPU " \
+               "to itself)"
+    if strategy == "MPS" and share.gpu.vendor is not Vendor.NVIDIA:
+        return f"MPS is NVIDIA's Multi-Process Service, and this GPU is {share.gpu.vendor.value}"
+    return None
+
+
 class DraState:
     """Prepare and unprepare, serialised: the kubelet may repeat either call at any time."""
 
@@ -143,10 +158,15 @@ class DraState:
         return self._inventory.config.dra
 
     def restore(self) -> int:
-        """Re-create the CDI specs of every completed claim: /var/run/cdi is tmpfs, and a reboot empties it."""
+        """Re-create the missing CDI specs of completed claims: /var/run/cdi is tmpfs, and a reboot empties it.
+
+        Only claims the checkpoint still holds count: a spec the driver removed itself (Unprepare) is not missed.
+        """
         restored = 0
         for record in self.checkpoint.claims.values():
             if record.state == COMPLETED and record.cdi_spec and record.cdi_file:
+                if (self.cdi_dir / record.cdi_file).exists():
+                    continue
                 cdi.write_spec(self.cdi_dir, record.cdi_file, record.cdi_spec)
                 restored += 1
         return restored
@@ -257,6 +277,10 @@ class DraState:
                 config = opaque.config_for_request(allocation, driver, request)
             except opaque.OpaqueConfigError as exc:
                 raise PrepareError(str(exc)) from exc
+            for share in shares:
+                if (why := _cannot_honour(config, share)) is not None:
+                    raise PrepareError(f"request {request}: sharing strategy {config.sharing.strategy} cannot be "
+                                       f"honoured on device {share.device.name} ({share.gpu.id}): {why}")
             cdi_name = f"claim-{claim.uid}-{request}"
             cdi_devices.append((cdi_name, request_edits(shares, config, gpus, claim)))
             for position, share in enumerate(shares):

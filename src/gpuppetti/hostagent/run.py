@@ -11,7 +11,7 @@ from gpuppetti.hostagent.server import Collector, HostAgent
 log = logging.getLogger(__name__)
 
 
-async def run_agent(token: str, host: str, port: int, interval: float) -> None:
+async def run_agent(token: str, host: str | None, port: int, interval: float) -> None:
     agent = HostAgent(token, Collector(), interval)
     try:
         await agent.start(host, port)

@@ -110,7 +110,7 @@ class HostAgent:
     async def _gpus(self, request: web.Request) -> web.Response:
         return web.Response(text=json.dumps(self.collector.document()), content_type="application/json")
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str | None, port: int) -> None:
         await asyncio.to_thread(self.collector.collect)
         app = web.Application(middlewares=[self._auth])
         app.router.add_get(API_PATH, self._gpus)

@@ -1,0 +1,74 @@
+"""The cluster tier: one real node per test run, brought up once and always torn down.
+
+Where the node cannot run (not root, no kit), every test here is skipped with a one-line reason that names what is
+missing; `make test` runs pytest with -rs, so the reason is printed in the summary.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.realnode import IMAGE, KIT, REPO, STATE_DIR, RealNode, why_not
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/cluster/" in str(item.path):
+            item.add_marker(pytest.mark.cluster)
+            # Pods start in seconds, but a kubelet restart or a status update period adds up.
+            item.add_marker(pytest.mark.timeout(300))
+
+
+@pytest.fixture(scope="session")
+def realnode() -> Iterator[RealNode]:
+    reason = why_not()
+    if reason is not None:
+        pytest.skip(f"cluster tier skipped: {reason}")
+    node = RealNode(STATE_DIR)
+    try:
+        node.up()
+        yield node
+    finally:
+        node.down()
+
+
+@pytest.fixture
+def node(realnode: RealNode) -> Iterator[RealNode]:
+    """The node, left as each test found it: its pods deleted and the gpuppetti processes it started stopped."""
+    yield realnode
+    realnode.delete("pods", "--all", "-n", "default", "--grace-period=0", "--force")
+    realnode.delete("resourceclaims", "--all", "-n", "default")
+    status = realnode.ctl("status", check=False).stdout
+    for line in status.splitlines():
+        name = line.split()[0]
+        if name.startswith("gpuppetti"):
+            realnode.ctl("stop", name, check=False)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="gp-cluster-") as directory:
+        yield Path(directory)
+
+
+@pytest.fixture(scope="session")
+def image(realnode: RealNode) -> str:
+    """The project's own image, packed from the venv running the tests and imported into the node's containerd.
+
+    No registry is reachable, so the kit's mkimage.py packs the venv (an editable install brings the source tree
+    it points at) with its interpreter and the shared libraries they load.
+    """
+    venv = Path(sys.prefix)
+    entrypoint = f'["{venv / "bin" / "gpuppetti"}"]'
+    with tempfile.TemporaryDirectory(prefix="gp-image-") as directory:
+        archive = Path(directory) / "gpuppetti.tar"
+        subprocess.run([sys.executable, str(KIT / "mkimage.py"), "venv", str(venv), IMAGE, str(archive),
+                        "--entrypoint", entrypoint], check=True, capture_output=True, timeout=600, cwd=REPO)
+        realnode.import_image(archive)
+    return IMAGE
