@@ -29,13 +29,12 @@ from rich.table import Table
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.config import parse_config
-from gpuppetti.deviceplugin.server import DeviceLists
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.inventory import Inventory
-from gpuppetti.kubelet.apiserver import ApiStandIn
-from gpuppetti.kubelet.dra import ClaimKey, DraKubelet
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from gpuppetti.model import Health
+from tests.standins.apiserver import ApiStandIn
+from tests.standins.dra_kubelet import ClaimKey, DraKubelet
 
 SIZES = (10, 100, 1000, 10000)
 APPLE = "apple.com/gpu"
@@ -199,15 +198,14 @@ async def bench_list_building(figures: list[Figure]) -> None:
         config = parse_config(plugin_config(units), "bench")
         inventory = Inventory(config, SimulatedBackend(config.simulated).discover())
         plan = inventory.plan[APPLE]
-        lists = DeviceLists()
-        lists.build(inventory, plan)
+        inventory.snapshot.device_list(APPLE)
         samples = []
         for n in range(20):
             # As after a health event: one GPU changed, and the whole list goes to the kubelet again.
             health = Health.UNHEALTHY if n % 2 == 0 else Health.HEALTHY
             await inventory.set_health(plan.units[0].gpu_id, health)
             began = time.perf_counter()
-            lists.build(inventory, plan).SerializeToString()
+            inventory.snapshot.device_list(APPLE)
             samples.append(time.perf_counter() - began)
         median = statistics.median(samples) * 1000
         figures.append(Figure(f"ListAndWatch list rebuilt after a health change and serialised, "

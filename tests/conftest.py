@@ -27,8 +27,21 @@ async def kubelet(plugin_dir: Path) -> AsyncIterator[KubeletEmulator]:
         yield emulator
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    # Kept on the item, so that fixtures can tell in their teardown whether the test failed.
+    report: pytest.TestReport = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+def failed(request: pytest.FixtureRequest) -> bool:
+    report = getattr(request.node, "report_call", None)
+    return report is not None and report.failed
+
+
 @pytest.fixture
-def start_plugin(plugin_dir: Path) -> Iterator[Callable[..., PluginProcess]]:
+def start_plugin(plugin_dir: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., PluginProcess]]:
     started: list[PluginProcess] = []
 
     def start(config_text: str | None, *extra: str, env: dict[str, str] | None = None) -> PluginProcess:
@@ -39,6 +52,9 @@ def start_plugin(plugin_dir: Path) -> Iterator[Callable[..., PluginProcess]]:
     yield start
     for process in started:
         process.kill()
+        if failed(request):
+            # The plugin's own account of what happened, in the failure's captured output.
+            print(f"---- {process.log_path} (last lines)\n" + "\n".join(process.log().splitlines()[-80:]))
 
 
 # The DRA test bench's fixture (`cluster`).

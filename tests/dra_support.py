@@ -12,9 +12,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from gpuppetti.kubelet.apiserver import ApiStandIn
-from gpuppetti.kubelet.dra import ClaimKey, DraKubelet
 from tests.helpers import TWO_M3_MAX, DaemonProcess, short_tmpdir
+from tests.standins.apiserver import ApiStandIn
+from tests.standins.dra_kubelet import ClaimKey, DraKubelet
 
 DRIVER = "gpu.gpuppetti.dev"
 NODE = "node1"

@@ -6,22 +6,16 @@ podman 4.3 among them) reject newer versions outright.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuppetti.fsutil import atomic_write
+from gpuppetti.fsutil import atomic_write, remove_file
 from gpuppetti.model import ContainerEdits
 
 DEFAULT_KIND = "gpu.gpuppetti.dev/gpu"
 VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
-_VENDOR = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-_CLASS = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
-_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
-_ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def qualified_name(kind: str, name: str) -> str:
@@ -90,47 +84,6 @@ def build_spec(kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> dict
     return spec
 
 
-def spec_problems(spec: dict[str, Any]) -> list[str]:
-    """What a CDI runtime would reject in ``spec``, per the CDI spec's rules; empty when it is valid."""
-    problems: list[str] = []
-    if spec.get("cdiVersion") not in VERSIONS:
-        problems.append(f"cdiVersion {spec.get('cdiVersion')!r} is not a known version")
-    elif VERSIONS.index(spec["cdiVersion"]) < VERSIONS.index(minimum_version(spec)):
-        problems.append(f"cdiVersion {spec['cdiVersion']} is lower than its fields need ({minimum_version(spec)})")
-    vendor, slash, cls = str(spec.get("kind", "")).partition("/")
-    if not slash or not _VENDOR.match(vendor) or len(vendor) > 253:
-        problems.append(f"kind {spec.get('kind')!r} is not vendor/class with a DNS-like vendor")
-    if not _CLASS.match(cls) or len(cls) > 63 or len(cls) < 2:
-        # One-character classes are legal on paper but crash some runtimes' parsers.
-        problems.append(f"class {cls!r} must be 2-63 alphanumerics, '-', '_' or '.'")
-    devices = spec.get("devices")
-    if not isinstance(devices, list) or not devices:
-        problems.append("devices must list at least one device")
-        devices = []
-    names: set[str] = set()
-    for device in devices:
-        name = str(device.get("name", ""))
-        if not _NAME.match(name):
-            problems.append(f"device name {name!r} is not valid")
-        if name in names:
-            problems.append(f"device name {name!r} is used twice")
-        names.add(name)
-        if not isinstance(device.get("containerEdits"), dict):
-            problems.append(f"device {name!r} needs a containerEdits object")
-            continue
-        edits = device["containerEdits"]
-        problems += [f"device {name!r}: env {e!r} is not KEY=VALUE" for e in edits.get("env", []) if not _ENV.match(e)]
-        for node in edits.get("deviceNodes", []):
-            if not str(node.get("path", "")).startswith("/"):
-                problems.append(f"device {name!r}: device node path {node.get('path')!r} is not absolute")
-            if set(str(node.get("permissions", ""))) - set("rwm"):
-                problems.append(f"device {name!r}: permissions {node.get('permissions')!r} are not r, w, m")
-        for mount in edits.get("mounts", []):
-            if not mount.get("hostPath") or not str(mount.get("containerPath", "")).startswith("/"):
-                problems.append(f"device {name!r}: mount {mount!r} needs hostPath and an absolute containerPath")
-    return problems
-
-
 def spec_prefix(kind: str) -> str:
     vendor, _, cls = kind.partition("/")
     return f"{vendor}-{cls}"
@@ -143,12 +96,13 @@ def spec_filename(kind: str, identifier: str | None = None) -> str:
 
 def write_spec(directory: Path, filename: str, spec: dict[str, Any]) -> Path:
     """Atomically, since runtimes read specs at any moment; not durably, since /var/run/cdi is tmpfs anyway and
-    every writer here re-creates its specs when it starts (the DRA driver from its checkpoint)."""
+    every writer here re-creates its specs when it starts (the DRA driver from its checkpoint). Compact JSON: the
+    C encoder writes it, the indenting one is pure Python. Readable by the runtime whatever the umask."""
     path = directory / filename
-    atomic_write(path, json.dumps(spec, indent=2, sort_keys=True).encode() + b"\n", durable=False)
+    atomic_write(path, json.dumps(spec, sort_keys=True, separators=(",", ":")).encode() + b"\n", mode=0o644,
+                 durable=False)
     return path
 
 
 def remove_spec(directory: Path, filename: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        (directory / filename).unlink()
+    remove_file(directory / filename)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
+EXIT_INTERRUPTED = 130
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -255,15 +256,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(f"config error:\n{exc}", EXIT_CONFIG)
     except KeyboardInterrupt:
-        return EXIT_OK
+        # A Ctrl-C before the process's own signal handling is in place (while it starts).
+        return _fail("interrupted", EXIT_INTERRUPTED)
     raise AssertionError(f"unhandled command {args.command}")  # pragma: no cover - argparse requires one
 
 
 def _plugin(args: argparse.Namespace) -> int:
-    from gpuppetti.deviceplugin.run import Labelling, run_plugin
+    from gpuppetti.deviceplugin.run import Labelling, PluginOptions, run_plugin
 
     labelling = Labelling(args.node_name, args.kubeconfig) if args.label_node else None
-    return _run_daemon(run_plugin(_sources(args), args.device_plugin_dir, args.http_address, args.cdi_dir, labelling))
+    options = PluginOptions(args.device_plugin_dir, args.http_address, args.cdi_dir, labelling)
+    return _run_daemon(run_plugin(_sources(args), options))
 
 
 def _host_agent(args: argparse.Namespace) -> int:
@@ -327,9 +330,9 @@ def _sources(args: argparse.Namespace) -> Sources:
 
 def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
     """Run a long-running command; a failure we expect becomes one clear line, not a traceback."""
-    from gpuppetti.daemon import StartupError
     from gpuppetti.discovery import BackendUnavailable
     from gpuppetti.httpserver import AddressError
+    from gpuppetti.runtime import StartupError
 
     expected = (SocketDirError, BackendUnavailable, StartupError, AddressError)
     try:
@@ -337,7 +340,10 @@ def _run_daemon(main: Coroutine[Any, Any, None]) -> int:
     except expected as exc:
         return _fail(str(exc), EXIT_FAILURE)
     except ExceptionGroup as group:
-        # Raised from inside the plugin's task group; show the cause, not a traceback, when it is one we expect.
+        # Raised from inside the process's task group; show the cause, not a traceback, when it is one we expect.
+        config = group.subgroup(ConfigError)
+        if config is not None:
+            raise _leaf(config) from None
         known = group.subgroup(expected)
         if known is None:
             raise
@@ -362,24 +368,30 @@ def _console() -> Console:
 
 
 def _discover(args: argparse.Namespace) -> int:
-    from gpuppetti.daemon import load_and_discover, nothing_found
-    from gpuppetti.discovery import BackendUnavailable
+    from gpuppetti.daemon import host_agent, load_and_discover, nothing_found
+    from gpuppetti.discovery import BackendUnavailable, with_host_facts
     from gpuppetti.inventory import Inventory
     from gpuppetti.report import gpu_records, gpu_table
 
     if args.from_url:
         return _discover_from(args.from_url, args.json)
+    sources = _sources(args)
     try:
-        found = load_and_discover(_sources(args))
+        found = load_and_discover(sources)
     except BackendUnavailable as exc:
         return _fail(str(exc), EXIT_FAILURE)
-    if not found.gpus:
+    gpus = found.gpus
+    agent = host_agent(sources, found.config)
+    if agent is not None:
+        facts = asyncio.run(agent.fetch_once())
+        gpus = [with_host_facts(gpu, facts) for gpu in gpus]
+    if not gpus:
         return _fail(nothing_found(found), EXIT_FAILURE)
-    inventory = Inventory(found.config, found.gpus)
+    snapshot = Inventory(found.config, gpus).snapshot
     if args.json:
-        print(json.dumps(gpu_records(inventory), indent=2))
+        print(json.dumps(gpu_records(snapshot), indent=2))
     else:
-        _console().print(gpu_table(inventory))
+        _console().print(gpu_table(snapshot))
     return EXIT_OK
 
 
@@ -406,7 +418,10 @@ def _discover_from(url: str, as_json: bool) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from gpuppetti.demo import run_demo
 
-    return asyncio.run(run_demo(args.config, _console(), args.runtime, args.image))
+    code = asyncio.run(run_demo(args.config, _console(), args.runtime, args.image))
+    if code == EXIT_INTERRUPTED:
+        return _fail("interrupted", EXIT_INTERRUPTED)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

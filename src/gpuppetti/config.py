@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from gpuppetti.quantity import parse_bytes, parse_duration
+from gpuppetti.strict import Strict, problems
 
 CONFIG_ENV = "GPUPPETTI_CONFIG"
 SUPPORTED_VERSIONS = ("v1",)
@@ -70,14 +70,7 @@ VendorName = Literal["apple", "nvidia", "amd", "intel", "virtio", "other"]
 HealthName = Literal["Healthy", "Unhealthy"]
 
 
-class _Strict(BaseModel):
-    # Strict types: YAML's `replicas: "4"` is a mistake worth reporting, not something to coerce.
-    model_config = ConfigDict(
-        extra="forbid", strict=True, frozen=True, alias_generator=to_camel, populate_by_name=False
-    )
-
-
-class SimulatedGpu(_Strict):
+class SimulatedGpu(Strict):
     model: str = Field(min_length=1)
     vendor: VendorName = "other"
     cores: int | None = Field(default=None, ge=1)
@@ -87,11 +80,11 @@ class SimulatedGpu(_Strict):
     health: HealthName = "Healthy"
 
 
-class SimulatedSection(_Strict):
+class SimulatedSection(Strict):
     gpus: list[SimulatedGpu] = Field(default_factory=list)
 
 
-class VirtioSection(_Strict):
+class VirtioSection(Strict):
     """What a virtio-gpu really is. Inside a krunkit/libkrun VM it is the host's Apple GPU, seen through Venus."""
 
     vendor: Literal["apple", "virtio"] = "virtio"
@@ -102,14 +95,14 @@ class VirtioSection(_Strict):
     vulkan_device: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}$")
 
 
-class HealthSection(_Strict):
+class HealthSection(Strict):
     poll_interval: Seconds = Field(default=5.0, gt=0)
     ignored_xids: list[int] = Field(default_factory=lambda: list(APPLICATION_XIDS))
     # A GPU marked unhealthy by an XID is healthy again after this long without another one; 0 never recovers.
     recovery_period: Seconds = Field(default=60.0, ge=0)
 
 
-class HostAgentSection(_Strict):
+class HostAgentSection(Strict):
     """Where the Mac's host agent answers, for a virtio-gpu that is really the Mac's GPU."""
 
     url: str | None = Field(default=None, pattern=r"^https?://")
@@ -117,7 +110,7 @@ class HostAgentSection(_Strict):
     poll_interval: Seconds = Field(default=10.0, gt=0)
 
 
-class ReplicatedResource(_Strict):
+class ReplicatedResource(Strict):
     name: ResourceName
     replicas: int | None = Field(default=None, ge=1, le=1024)
     # Instead of a fixed count: one replica per this many cores (10 gives 4 slices on a 40-core GPU).
@@ -141,7 +134,7 @@ class ReplicatedResource(_Strict):
         return max(1, (cores or 0) // self.replicas_per_cores)
 
 
-class TimeSlicing(_Strict):
+class TimeSlicing(Strict):
     rename_by_default: bool = False
     fail_requests_greater_than_one: bool = False
     resources: list[ReplicatedResource] = Field(default_factory=list)
@@ -160,7 +153,7 @@ class TimeSlicing(_Strict):
         return self
 
 
-class Sharing(_Strict):
+class Sharing(Strict):
     time_slicing: TimeSlicing = Field(default_factory=TimeSlicing)
 
 
@@ -174,7 +167,7 @@ def _default_partitions() -> list[PartitionCount]:
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
-class DraSection(_Strict):
+class DraSection(Strict):
     driver_name: str = Field(default="gpu.gpuppetti.dev", max_length=63, pattern=DNS_SUBDOMAIN)
     # whole: one device per GPU. partitions: per-GPU counters, and partition devices that consume them.
     # consumable: one device per GPU that many claims share, each taking part of its capacity.
@@ -200,7 +193,7 @@ def _default_strategies() -> list[DeviceListStrategy]:
     return ["envvar"]
 
 
-class PluginSection(_Strict):
+class PluginSection(Strict):
     allocation_policy: Literal["distributed", "packed"] = "distributed"
     # envvar: env vars and device nodes in the Allocate response. cdi-cri: CDI device names in its cdi_devices
     # field (Kubernetes 1.28+). cdi-annotations: the same names as cdi.k8s.io/ annotations, for older runtimes.
@@ -208,7 +201,7 @@ class PluginSection(_Strict):
         default_factory=_default_strategies, min_length=1)
 
 
-class Config(_Strict):
+class Config(Strict):
     version: Literal["v1"]
     backend: BackendName = "auto"
     simulated: SimulatedSection = Field(default_factory=SimulatedSection)
@@ -246,32 +239,6 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _key_path(loc: tuple[int | str, ...]) -> str:
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in ("str", "int") or part.startswith(("function-", "literal[")):
-            # pydantic names the union branch it tried; the user only cares about the key.
-            continue
-        else:
-            path += f".{part}" if path else part
-    return path
-
-
-def _describe(error: Any) -> str:
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "missing":
-        return "required key is missing"
-    message = str(error["msg"])
-    message = message.removeprefix("Value error, ")
-    if kind not in ("value_error", "assertion_error"):
-        message = f"{message[0].lower()}{message[1:]} (got {error['input']!r})"
-    return message
-
-
 def parse_config(text: str, source: str) -> Config:
     """Parse and validate config text. Raises ConfigError naming ``source``, the key path and the problem."""
     try:
@@ -295,8 +262,7 @@ def parse_config(text: str, source: str) -> Config:
     try:
         return Config.model_validate({**data, "__source__": source})
     except ValidationError as exc:
-        problems = [(_key_path(tuple(err["loc"])), _describe(err)) for err in exc.errors()]
-        raise ConfigError(source, problems) from None
+        raise ConfigError(source, problems(exc)) from None
 
 
 def load_config(path: str | os.PathLike[str] | None) -> Config:

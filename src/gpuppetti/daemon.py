@@ -1,27 +1,26 @@
-"""What the long-running commands share: loading and discovering, signals, and config reloads."""
+"""What the long-running commands share: loading and discovering, and config reloads."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gpuppetti.config import Config, ConfigError, load_config
-from gpuppetti.discovery import Backend, BackendUnavailable, backends_for, discover, looked_at
+from gpuppetti.discovery import Backend, BackendUnavailable, HostFacts, backends_for, discover, looked_at
 from gpuppetti.hostagent.client import HostAgentSource
 from gpuppetti.inventory import Inventory
 from gpuppetti.model import Gpu
 from gpuppetti.monitor import HealthMonitor
+from gpuppetti.runtime import StartupError
+
+__all__ = ["Discovered", "Sources", "StartupError", "load_and_discover", "reload", "start_inventory"]
 
 log = logging.getLogger(__name__)
 
-
-class StartupError(Exception):
-    """A long-running command cannot start; the message says why and what to do."""
+# Fields a running process cannot take on: the driver's name is in its sockets, its slices and its CDI kind.
+IMMUTABLE_FIELDS = (("dra", "driver_name", "dra.driverName"),)
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,6 @@ class Discovered:
     backends: list[Backend]
     gpus: list[Gpu]
     skipped: list[str]
-    agent: HostAgentSource | None = None
 
 
 def host_agent(sources: Sources, config: Config) -> HostAgentSource | None:
@@ -53,17 +51,13 @@ def host_agent(sources: Sources, config: Config) -> HostAgentSource | None:
     return HostAgentSource(url, token_file)
 
 
-def load_and_discover(sources: Sources, agent: HostAgentSource | None = None) -> Discovered:
-    """Everything that can fail before serving: the config, the backends and what they find."""
+def load_and_discover(sources: Sources, facts: HostFacts | None = None) -> Discovered:
+    """Everything that can fail before serving: the config, the backends and what they find. Blocks (it reads
+    files and runs backends): call it in a thread from the event loop."""
     config = load_config(sources.config_path)
-    if agent is None:
-        agent = host_agent(sources, config)
-        if agent is not None:
-            # Once before discovering, so that the first list already has the Mac's facts when it answers.
-            agent.fetch_once()
     skipped: list[str] = []
-    backends = backends_for(config, sources.backend, sources.host_root, skipped, agent)
-    return Discovered(config, backends, discover(backends), skipped, agent)
+    backends = backends_for(config, sources.backend, sources.host_root, skipped)
+    return Discovered(config, backends, discover(backends, facts), skipped)
 
 
 def nothing_found(found: Discovered) -> str:
@@ -76,7 +70,8 @@ def describe(gpus: list[Gpu]) -> str:
 
 async def start_inventory(sources: Sources) -> tuple[Inventory, HealthMonitor, Discovered]:
     """Load, discover and build the inventory. Finding nothing is not an error: a daemon then serves nothing, says
-    why, and serves what appears later (a GPU hot-plugged, or a reload)."""
+    why, and serves what appears later (a GPU hot-plugged, or a reload). The host agent is not waited for: the
+    monitor asks it, and the GPUs take its facts when it answers."""
     found = await asyncio.to_thread(load_and_discover, sources)
     inventory = Inventory(found.config, found.gpus)
     if found.gpus:
@@ -84,7 +79,17 @@ async def start_inventory(sources: Sources) -> tuple[Inventory, HealthMonitor, D
                  describe(found.gpus))
     else:
         log.warning("%s\nserving nothing until a GPU appears", nothing_found(found))
-    return inventory, HealthMonitor(inventory, found.backends, found.agent), found
+    agent = host_agent(sources, found.config)
+    return inventory, HealthMonitor(inventory, found.backends, agent), found
+
+
+def immutable_change(old: Config, new: Config) -> str | None:
+    """The first field a reload may not change that ``new`` changes, as the user writes it; None if there is none."""
+    for section, field, name in IMMUTABLE_FIELDS:
+        before, after = getattr(getattr(old, section), field), getattr(getattr(new, section), field)
+        if before != after:
+            return f"{name} ({before!r} -> {after!r})"
+    return None
 
 
 async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor) -> None:
@@ -92,41 +97,17 @@ async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor)
 
     The host agent's address is read at start only; a reload keeps asking the same agent.
     """
-    log.info("received SIGHUP; reloading %s", sources.config_path or "the built-in defaults")
+    log.info("reloading %s", sources.config_path or "the built-in defaults")
+    agent = monitor.agent
     try:
-        found = await asyncio.to_thread(load_and_discover, sources, monitor.agent)
+        found = await asyncio.to_thread(load_and_discover, sources, agent.current() if agent else None)
+        if (field := immutable_change(inventory.config, found.config)) is not None:
+            log.error("config reload refused; keeping the previous config: %s: %s cannot change while the "
+                      "process runs (restart it to change it)", found.config.source, field)
+            return
         await inventory.replace(found.config, found.gpus)
     except (ConfigError, BackendUnavailable) as exc:
         log.error("config reload failed; keeping the previous config:\n%s", exc)
         return
     monitor.set_backends(found.backends)
     log.info("config reloaded: %s", ", ".join(f"{n}={len(p.units)}" for n, p in inventory.plan.items()))
-
-
-async def serve_until_signalled(
-    serve: Callable[[asyncio.Event], Awaitable[None]], on_reload: Callable[[], Coroutine[Any, Any, None]]
-) -> None:
-    """Run ``serve(stop)``; SIGTERM and SIGINT set ``stop``, SIGHUP runs ``on_reload``."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    reloads: set[asyncio.Task[None]] = set()
-
-    def request_stop(signum: int) -> None:
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        stop.set()
-
-    def request_reload() -> None:
-        task = loop.create_task(on_reload(), name="config-reload")
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, request_stop, signum)
-    loop.add_signal_handler(signal.SIGHUP, request_reload)
-    try:
-        await serve(stop)
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(signum)
-        for task in reloads:
-            task.cancel()

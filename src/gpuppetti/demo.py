@@ -18,9 +18,10 @@ from gpuppetti import cdi
 from gpuppetti.config import Config, load_config, parse_config
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import backends_for, discover
-from gpuppetti.inventory import Inventory
+from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.report import gpu_table
+from gpuppetti.runtime import Runtime
 from gpuppetti.sandbox import PodmanSandbox, SandboxError
 
 DEFAULT_DEMO_CONFIG = """\
@@ -58,6 +59,7 @@ SANDBOX_CDI_KIND = "sandbox.gpuppetti.dev/gpu"
 async def run_demo(
     config_path: Path | None, console: Console, runtime: str | None = None, image: str | None = None
 ) -> int:
+    """The demo; returns the exit code (130 when interrupted)."""
     config = demo_config(config_path)
     gpus = discover(backends_for(config, "simulated"))
     if not gpus:
@@ -80,48 +82,67 @@ async def run_demo(
         await sandbox.ensure_image()
     inventory = Inventory(config, gpus)
     workdir = Path(tempfile.mkdtemp(prefix="gpuppetti-demo-"))
-    stop = asyncio.Event()
+    process = Runtime()
+
+    async def start(process: Runtime) -> None:
+        kubelet = KubeletEmulator(workdir)
+        await kubelet.start()
+        process.spawn("kubelet-emulator", _until_stopped(kubelet))
+        manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND)
+        await manager.run(process)
+        process.spawn("demo", _script(process, inventory, kubelet, console, workdir, sandbox))
+
     try:
-        async with KubeletEmulator(workdir) as kubelet:
-            manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND)
-            plugin = asyncio.create_task(manager.run(stop), name="device-plugin")
-            try:
-                for resource in inventory.plan:
-                    await kubelet.wait_registered(resource)
-                console.print(f"[bold]gpuppetti demo[/bold]: device plugin registered with the built-in kubelet "
-                              f"in {workdir} ({config.source})\n")
-                console.print(gpu_table(inventory))
-
-                outcomes: list[tuple[Pod, list[ContainerAllocation] | str]] = []
-                for resource, plan in inventory.plan.items():
-                    for pod in demo_pods(resource, len(plan.units)):
-                        try:
-                            outcomes.append((pod, await kubelet.admit(pod)))
-                        except AdmissionError as exc:
-                            outcomes.append((pod, str(exc)))
-                console.print(_slice_table(inventory, kubelet))
-                console.print(_pod_table(outcomes))
-                if sandbox is not None:
-                    console.print(await _run_containers(sandbox, outcomes))
-
-                before = {r: kubelet.registrations(r) for r in inventory.plan}
-                started = time.monotonic()
-                await kubelet.restart()
-                for resource in inventory.plan:
-                    await kubelet.wait_registered(resource, count=before[resource] + 1)
-                elapsed_ms = (time.monotonic() - started) * 1000
-                console.print(f"kubelet restarted (every socket deleted): the plugin noticed through inotify and "
-                              f"re-registered in {elapsed_ms:.0f} ms; allocatable again: "
-                              + ", ".join(f"{r} = {kubelet.allocatable(r)}" for r in inventory.plan))
-            finally:
-                stop.set()
-                await plugin
+        await process.run(start)
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(workdir)
         if cdi_dir is not None:
             cdi.remove_spec(cdi_dir, cdi.spec_filename(SANDBOX_CDI_KIND))
-    return 0
+    return 0 if process.stop_reason == DONE else 130
+
+
+DONE = "the demo is done"
+
+
+async def _until_stopped(kubelet: KubeletEmulator) -> None:
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await kubelet.stop()
+
+
+async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulator, console: Console,
+                  workdir: Path, sandbox: PodmanSandbox | None) -> None:
+    snapshot = inventory.snapshot
+    for resource in snapshot.plan:
+        await kubelet.wait_registered(resource)
+    console.print(f"[bold]gpuppetti demo[/bold]: device plugin registered with the built-in kubelet "
+                  f"in {workdir} ({snapshot.config.source})\n")
+    console.print(gpu_table(snapshot))
+
+    outcomes: list[tuple[Pod, list[ContainerAllocation] | str]] = []
+    for resource, plan in snapshot.plan.items():
+        for pod in demo_pods(resource, len(plan.units)):
+            try:
+                outcomes.append((pod, await kubelet.admit(pod)))
+            except AdmissionError as exc:
+                outcomes.append((pod, str(exc)))
+    console.print(_slice_table(snapshot, kubelet))
+    console.print(_pod_table(outcomes))
+    if sandbox is not None:
+        console.print(await _run_containers(sandbox, outcomes))
+
+    before = {r: kubelet.registrations(r) for r in snapshot.plan}
+    started = time.monotonic()
+    await kubelet.restart()
+    for resource in snapshot.plan:
+        await kubelet.wait_registered(resource, count=before[resource] + 1)
+    elapsed_ms = (time.monotonic() - started) * 1000
+    console.print(f"kubelet restarted (every socket deleted): the plugin noticed through inotify and "
+                  f"re-registered in {elapsed_ms:.0f} ms; allocatable again: "
+                  + ", ".join(f"{r} = {kubelet.allocatable(r)}" for r in snapshot.plan))
+    process.request_stop(DONE)
 
 
 def _writable(directory: Path) -> bool:
@@ -158,7 +179,7 @@ async def _run_containers(
     return table
 
 
-def _slice_table(inventory: Inventory, kubelet: KubeletEmulator) -> Table:
+def _slice_table(inventory: Snapshot, kubelet: KubeletEmulator) -> Table:
     table = Table(title="Slices, as the kubelet sees them", title_justify="left")
     for column in ("slice", "GPU", "resource", "health", "pod"):
         table.add_column(column)

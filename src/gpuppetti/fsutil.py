@@ -1,39 +1,60 @@
-"""Writing files so that a crash leaves either the old content or the new one, never a torn file."""
+"""Writing files and making directories safely: atomic, with explicit modes, and never through a planted link.
+
+Temporary files get a random name created with O_EXCL (which also refuses a symlink at that name), their mode is
+set on the open file whatever the process's umask, and the rename replaces whatever sits at the final name rather
+than following it. So a symlink planted in a directory cannot redirect a write, and a crash leaves either the old
+content or the new one, never a torn file.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 
 def sync_directory(directory: Path) -> None:
     """Make renames in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
+def make_directory(path: Path, mode: int = 0o755) -> None:
+    """Create ``path`` and its missing parents with ``mode``, whatever the umask; an existing one is left alone."""
+    missing: list[Path] = []
+    current = path
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, mode)
+            os.chmod(directory, mode, follow_symlinks=False)
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is not a directory")
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
-    """Write to a temporary file beside ``path`` and rename it over ``path``: readers see old or new, never half.
+    """Write ``data`` to ``path`` atomically: readers see the old content or the new, never half of it.
 
     ``durable`` also fsyncs the file and the directory, so the new content survives a power cut; files that are
-    re-derived from durable state at start can skip that cost. Callers serialise their writes to one path
-    (the temporary name is fixed).
+    re-derived from durable state at start can skip that cost. Concurrent writers to one path are safe: each has
+    its own temporary file, and the last rename wins.
     """
     directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    temporary = directory / f".{path.name}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    make_directory(directory)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), mode)
             handle.write(data)
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())
-        os.chmod(temporary, mode)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -41,3 +62,12 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = Tru
         raise
     if durable:
         sync_directory(directory)
+
+
+def remove_file(path: Path) -> bool:
+    """Remove ``path`` if it is there (a symlink itself, never its target); whether something was removed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True

@@ -6,6 +6,7 @@ connects and sends nothing is dropped after a timeout, so idle connections canno
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import logging
@@ -66,17 +67,17 @@ def format_address(host: str, port: int) -> str:
 
 
 class HttpServer:
-    def __init__(
-        self, metrics: Metrics, readiness: Readiness, inventory: Callable[[], list[dict[str, Any]]] | None = None
-    ) -> None:
+    """Serves from the moment it starts: ``readiness`` and ``records`` are set once the process has them."""
+
+    def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self._readiness = readiness
-        self._inventory = inventory
+        self.readiness: Readiness = lambda: "no resource is being served yet (discovering GPUs)"
+        self.records: Callable[[], list[dict[str, Any]]] = list
         self._runner: web.AppRunner | None = None
         self.address = ""
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        waiting = self._readiness()
+        waiting = self.readiness()
         if waiting is None:
             return web.Response(text="ok\n")
         if waiting.startswith(READY_NOTE):
@@ -88,8 +89,7 @@ class HttpServer:
 
     async def _gpus(self, request: web.Request) -> web.Response:
         # What the running process serves, facts' staleness included: `gpuppetti discover --from` shows it.
-        assert self._inventory is not None
-        return web.Response(text=json.dumps(self._inventory()), content_type="application/json")
+        return web.Response(text=json.dumps(self.records()), content_type="application/json")
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self._metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -103,8 +103,7 @@ class HttpServer:
             app.router.add_get(path, self._healthz)
         app.router.add_get("/livez", self._livez)
         app.router.add_get("/metrics", self._metrics_page)
-        if self._inventory is not None:
-            app.router.add_get(GPUS_PATH, self._gpus)
+        app.router.add_get(GPUS_PATH, self._gpus)
         app.router.add_route("GET", "/{tail:.*}", self._not_found)
         return app
 
@@ -127,6 +126,13 @@ class HttpServer:
             bound_host = "127.0.0.1" if _family(bound_host) == socket.AF_INET else "::1"
         self.address = format_address(bound_host, int(bound[1]))
         log.info("serving /healthz and /metrics on http://%s", self.address)
+
+    async def serve(self) -> None:
+        """The HTTP duty: serve until cancelled, then close the listener."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.stop()
 
     async def stop(self) -> None:
         runner, self._runner = self._runner, None

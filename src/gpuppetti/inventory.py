@@ -1,6 +1,10 @@
-"""The one shared state: the node's GPUs, the config, and the units derived from them.
+"""The one shared state: a frozen snapshot of the node's GPUs, the config, and everything derived from them.
 
-Consumers never poll it: they wait for the version to move past the one they last saw.
+The inventory publishes a new snapshot per change, and every reader uses the snapshot it holds: ListAndWatch,
+Allocate, DRA prepare, the slice publisher, the health stream, metrics, reports and the HTTP endpoint. Nothing
+derived is cached anywhere else. A health-only change keeps the plan and the pool (they do not depend on health)
+and re-encodes only the changed GPU's part of the device lists. Consumers never poll: they wait for the version to
+move past the one they last saw.
 """
 
 from __future__ import annotations
@@ -9,75 +13,117 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from gpuppetti.config import Config
+from gpuppetti.devicelists import DeviceListEncoder
 from gpuppetti.model import Gpu, Health
-from gpuppetti.sharing import ResourcePlan, build_plan
+from gpuppetti.sharing.pool import Pool, build_pool
+from gpuppetti.sharing.replicas import ResourcePlan, build_plan
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    config: Config
+    gpus: Mapping[str, Gpu]
+    plan: Mapping[str, ResourcePlan]
+    pool: Pool
+    _encoder: DeviceListEncoder = field(repr=False, compare=False)
+    _lists: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+
+    def resource(self, name: str) -> ResourcePlan | None:
+        return self.plan.get(name)
+
+    def device_list(self, resource: str) -> bytes:
+        """The encoded ListAndWatchResponse for ``resource`` (empty when it is not advertised)."""
+        if not self._lists and self.plan:
+            self._lists.update(self._encoder.encode(self.plan, self.gpus))
+        return self._lists.get(resource, b"")
+
+
+def _identity(gpus: Mapping[str, Gpu]) -> dict[str, Gpu]:
+    """What the plan and the pool depend on: everything about the GPUs but their health."""
+    return {gpu_id: dataclasses.replace(gpu, health=Health.HEALTHY) for gpu_id, gpu in gpus.items()}
+
+
 class Inventory:
     def __init__(self, config: Config, gpus: Iterable[Gpu]) -> None:
-        gpu_list = list(gpus)
-        self._config = config
-        self._gpus: dict[str, Gpu] = {gpu.id: gpu for gpu in gpu_list}
+        self._encoder = DeviceListEncoder()
         # Raises ConfigError before anything starts if the sharing section does not fit these GPUs.
-        self._plan = build_plan(gpu_list, config.sharing.time_slicing, config.source)
-        self._version = 0
-        self._changed = asyncio.Condition()
+        self._snapshot = self._build(0, config, {gpu.id: gpu for gpu in gpus}, None)
+        self._changed = asyncio.Event()
+
+    def _build(self, version: int, config: Config, gpus: dict[str, Gpu], previous: Snapshot | None) -> Snapshot:
+        same_gpus = previous is not None and _identity(gpus) == _identity(previous.gpus)
+        gpu_list = list(gpus.values())
+        if previous is not None and same_gpus and config.sharing == previous.config.sharing:
+            plan = previous.plan
+        else:
+            plan = MappingProxyType(build_plan(gpu_list, config.sharing.time_slicing, config.source))
+        if previous is not None and same_gpus and config.dra == previous.config.dra:
+            pool = previous.pool
+        else:
+            pool = build_pool(gpu_list, config.dra)
+        return Snapshot(version, config, MappingProxyType(gpus), plan, pool, self._encoder)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._snapshot.version
 
     @property
     def config(self) -> Config:
-        return self._config
+        return self._snapshot.config
 
     @property
     def gpus(self) -> Mapping[str, Gpu]:
-        return self._gpus
+        return self._snapshot.gpus
 
     @property
     def plan(self) -> Mapping[str, ResourcePlan]:
-        return self._plan
+        return self._snapshot.plan
 
     def resource(self, name: str) -> ResourcePlan | None:
-        return self._plan.get(name)
+        return self._snapshot.resource(name)
+
+    def _publish(self, config: Config, gpus: dict[str, Gpu]) -> None:
+        self._snapshot = self._build(self._snapshot.version + 1, config, gpus, self._snapshot)
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     async def replace(self, config: Config, gpus: Iterable[Gpu]) -> None:
         """Swap in a new config and GPU list. Raises ConfigError, leaving the old state, if they do not fit."""
-        gpu_list = list(gpus)
-        plan = build_plan(gpu_list, config.sharing.time_slicing, config.source)
-        new_gpus = {gpu.id: gpu for gpu in gpu_list}
-        unchanged = config == self._config and new_gpus == self._gpus
-        self._config, self._gpus, self._plan = config, new_gpus, plan
-        if unchanged:
+        new_gpus = {gpu.id: gpu for gpu in gpus}
+        current = self._snapshot
+        if config == current.config and new_gpus == dict(current.gpus):
             # Telemetry and where facts came from are not part of a GPU's identity: keep them fresh, wake no one.
+            self._snapshot = dataclasses.replace(current, gpus=MappingProxyType(new_gpus))
             return
-        await self._bump()
+        self._publish(config, new_gpus)
 
     async def update_gpus(self, gpus: Iterable[Gpu]) -> None:
-        await self.replace(self._config, gpus)
+        await self.replace(self._snapshot.config, gpus)
 
     async def set_health(self, gpu_id: str, health: Health, reason: str = "") -> bool:
         """Mark one GPU; returns whether anything changed."""
-        gpu = self._gpus.get(gpu_id)
+        gpu = self._snapshot.gpus.get(gpu_id)
         if gpu is None or gpu.health == health:
             return False
-        self._gpus[gpu_id] = dataclasses.replace(gpu, health=health)
+        gpus = dict(self._snapshot.gpus)
+        gpus[gpu_id] = dataclasses.replace(gpu, health=health)
         log.warning("GPU %s (%s) is now %s%s", gpu_id, gpu.model, health, f": {reason}" if reason else "")
-        await self._bump()
+        self._publish(self._snapshot.config, gpus)
         return True
 
     async def wait_for_change(self, seen: int) -> int:
         """Wait until the version differs from ``seen`` and return the new version."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._version != seen)
-            return self._version
-
-    async def _bump(self) -> None:
-        async with self._changed:
-            self._version += 1
-            self._changed.notify_all()
+        while self._snapshot.version == seen:
+            await self._changed.wait()
+        return self._snapshot.version

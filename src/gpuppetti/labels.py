@@ -7,8 +7,9 @@ import logging
 import re
 from typing import Any
 
-from gpuppetti.edits import sharing_mode
-from gpuppetti.inventory import Inventory
+from gpuppetti.backoff import Backoff
+from gpuppetti.inventory import Inventory, Snapshot
+from gpuppetti.sharing.edits import sharing_mode
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def label_value(text: str) -> str:
     return value.strip("-._")
 
 
-def node_labels(inventory: Inventory) -> dict[str, str]:
+def node_labels(inventory: Snapshot) -> dict[str, str]:
     """The labels for the node's first GPU (lowest index, then id), and how many there are. Empty without GPUs."""
     gpus = sorted(inventory.gpus.values(), key=lambda g: (g.index, g.id))
     if not gpus:
@@ -55,6 +56,7 @@ class NodeLabeler:
     def __init__(self, api: Any, inventory: Inventory, node: str) -> None:
         from kubernetes_asyncio import client
 
+        self._api = api
         self._core = client.CoreV1Api(api)
         self._inventory = inventory
         self.node = node
@@ -62,7 +64,7 @@ class NodeLabeler:
     async def sync(self, wanted: dict[str, str] | None = None) -> None:
         found = await self._core.read_node(self.node)
         current = {k: v for k, v in (found.metadata.labels or {}).items() if k.startswith(PREFIX)}
-        wanted = node_labels(self._inventory) if wanted is None else wanted
+        wanted = node_labels(self._inventory.snapshot) if wanted is None else wanted
         patch: dict[str, str | None] = {k: v for k, v in wanted.items() if current.get(k) != v}
         patch.update({k: None for k in current if k not in wanted})
         if patch:
@@ -71,18 +73,23 @@ class NodeLabeler:
                      ", ".join(f"{k}={v}" if v is not None else f"-{k}" for k, v in sorted(patch.items())))
 
     async def run(self) -> None:
-        delay = 1.0
-        while True:
-            seen = self._inventory.version
-            try:
-                await self.sync()
-                delay = 1.0
-            except Exception as exc:  # the API being away must not stop the plugin
-                log.warning("labelling node %s failed (%s); retrying in %.0fs", self.node, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
-                continue
-            await self._inventory.wait_for_change(seen)
+        """The labels duty: keep them current; at stop, remove them and close the API client."""
+        backoff = Backoff(1.0, RETRY_MAX_S)
+        try:
+            while True:
+                seen = self._inventory.version
+                try:
+                    await self.sync()
+                    backoff.reset()
+                except Exception as exc:  # the API being away must not stop the plugin
+                    delay = backoff.next()
+                    log.warning("labelling node %s failed (%s); retrying in %.0fs", self.node, exc, delay)
+                    await asyncio.sleep(delay)
+                    continue
+                await self._inventory.wait_for_change(seen)
+        finally:
+            await self.clear()
+            await self._api.close()
 
     async def clear(self) -> None:
         """Remove this node's labels when the plugin stops: a node whose plugin is gone serves no GPU."""

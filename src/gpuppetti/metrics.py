@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -14,14 +14,26 @@ from gpuppetti.inventory import Inventory
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+class ClaimCounts(Protocol):
+    """What the DRA driver holds: prepared claims, and those whose CDI spec could not be written back."""
+
+    @property
+    def prepared(self) -> int: ...
+
+    @property
+    def missing_specs(self) -> Mapping[str, str]: ...
+
+
 class _InventoryCollector(Collector):
     """Reads the inventory at scrape time, so that nothing has to remember to update a gauge."""
 
-    def __init__(self, inventory: Callable[[], Inventory | None]) -> None:
+    def __init__(self, inventory: Callable[[], Inventory | None], claims: Callable[[], ClaimCounts | None]) -> None:
         self._inventory = inventory
+        self._claims = claims
 
     def collect(self) -> Iterator[Any]:
-        inventory = self._inventory()
+        found = self._inventory()
+        inventory = found.snapshot if found is not None else None
         gpus = GaugeMetricFamily("gpuppetti_gpus", "GPUs found, by vendor, model and health",
                                  labels=["vendor", "model", "health", "backend"])
         units = GaugeMetricFamily("gpuppetti_units", "Allocatable units advertised, by resource and health",
@@ -48,13 +60,22 @@ class _InventoryCollector(Collector):
                 for health, count in per_health.items():
                     units.add_metric([name, health], count)
         yield from (gpus, units, utilization, memory_used)
+        claims = self._claims()
+        if claims is not None:
+            yield GaugeMetricFamily("gpuppetti_dra_prepared_claims", "Claims the DRA driver holds as prepared",
+                                    value=claims.prepared)
+            yield GaugeMetricFamily(
+                "gpuppetti_dra_claims_missing_cdi_spec",
+                "Prepared claims whose CDI spec could not be written back (e.g. a full CDI directory)",
+                value=len(claims.missing_specs))
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._inventory: Inventory | None = None
-        self.registry.register(_InventoryCollector(lambda: self._inventory))
+        self._claims: ClaimCounts | None = None
+        self.registry.register(_InventoryCollector(lambda: self._inventory, lambda: self._claims))
         self.allocate_requests = Counter(
             "gpuppetti_allocate_requests", "Device plugin Allocate calls", ["resource", "result"],
             registry=self.registry)
@@ -85,3 +106,6 @@ class Metrics:
 
     def watch(self, inventory: Inventory) -> None:
         self._inventory = inventory
+
+    def watch_claims(self, claims: ClaimCounts) -> None:
+        self._claims = claims

@@ -1,4 +1,4 @@
-"""The data every part of gpuppetti shares: GPUs, allocatable units and container edits."""
+"""The data every part of gpuppetti shares: GPUs, their health, and container edits."""
 
 from __future__ import annotations
 
@@ -81,10 +81,17 @@ class Gpu:
     # Where model, cores and memory came from when the hardware cannot tell: "config", "host-agent", or
     # "host-agent (stale)" once the agent stopped answering and its last facts are kept.
     facts: str | None = field(default=None, compare=False)
+    # A GPU that exists only in the config: no device node, no vendor runtime to select it.
+    simulated: bool = False
 
     @property
     def resource_name(self) -> str:
         return default_resource_name(self.vendor)
+
+    @property
+    def render_node(self) -> str | None:
+        """The DRM render node a container reaches this GPU through (Vulkan, OpenCL on Mesa), if any."""
+        return next((n.path for n in self.device_nodes if n.path.startswith("/dev/dri/renderD")), None)
 
 
 @dataclass(frozen=True)
@@ -95,29 +102,6 @@ class HealthEvent:
     health: Health
     reason: str
     at: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """An allocatable unit: a whole GPU, or one time-sliced replica of it.
-
-    The id is the GPU id for a whole GPU, and ``<gpu-id>::<n>`` for replica n, as the NVIDIA plugin names them,
-    so that tooling which strips the suffix keeps working.
-    """
-
-    id: str
-    gpu_id: str
-    resource: str
-    replicas: int
-    replica: int | None = None
-
-    @property
-    def shared(self) -> bool:
-        return self.replicas > 1
-
-
-def replica_unit_id(gpu_id: str, replica: int) -> str:
-    return f"{gpu_id}::{replica}"
 
 
 @dataclass

@@ -4,6 +4,9 @@ A GPU that vanishes stays listed as Unhealthy (pods using it keep their allocati
 drop to zero healthy); one that appears is added. A GPU marked unhealthy by an event (an NVML XID) stays so until
 a quiet period passes without another event, then recovers: NVIDIA's plugin never recovers, and its users have to
 restart it by hand.
+
+Its duties (polling, one watcher per event source, applying events, recoveries, the host agent) are spawned by the
+process's runtime, as named tasks of its one TaskGroup.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from gpuppetti.config import ConfigError
 from gpuppetti.discovery import Backend, EventSource, discover
@@ -23,13 +28,13 @@ from gpuppetti.model import Gpu, Health, HealthEvent
 
 log = logging.getLogger(__name__)
 
-STATIC_BACKENDS = frozenset({"simulated"})
-
 
 @dataclasses.dataclass
 class _Fault:
     reason: str
     at: float
+    # When the GPU recovers without a new fault (monotonic time); None never.
+    recover_at: float | None
 
 
 class HealthMonitor:
@@ -40,7 +45,9 @@ class HealthMonitor:
         self._backends = list(backends)
         self.agent = agent
         self._faults: dict[str, _Fault] = {}
-        self._recoveries: dict[str, asyncio.Task[None]] = {}
+        self._events: asyncio.Queue[HealthEvent] = asyncio.Queue()
+        # Wakes the recovery duty when a fault's deadline moves.
+        self._faults_changed = asyncio.Event()
 
     def set_backends(self, backends: Sequence[Backend]) -> None:
         """Called after a config reload, which may change what is discovered and how."""
@@ -48,19 +55,22 @@ class HealthMonitor:
 
     @property
     def polling(self) -> bool:
-        return any(backend.name not in STATIC_BACKENDS for backend in self._backends)
+        return any(backend.polls for backend in self._backends)
 
-    async def run(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._poll(), name="health-poll")
-            events: asyncio.Queue[HealthEvent] = asyncio.Queue()
-            for backend in self._backends:
-                if isinstance(backend, EventSource):
-                    group.create_task(self._watch(backend, events), name=f"health-events {backend.name}")
-            group.create_task(self._apply_events(events), name="health-apply")
-            if self.agent is not None:
-                interval = self._inventory.config.host_agent.poll_interval
-                group.create_task(self.agent.poll(interval, self.refresh), name="host-agent")
+    def duties(self) -> list[tuple[str, Coroutine[Any, Any, None]]]:
+        """The named duties to spawn; event sources are those of the backends at start."""
+        duties: list[tuple[str, Coroutine[Any, Any, None]]] = [
+            ("health-poll", self._poll()),
+            ("health-apply", self._apply_events()),
+            ("health-recovery", self._recover()),
+        ]
+        for backend in self._backends:
+            if isinstance(backend, EventSource):
+                duties.append((f"health-events {backend.name}", self._watch(backend)))
+        if self.agent is not None:
+            interval = self._inventory.config.host_agent.poll_interval
+            duties.append(("host-agent", self.agent.poll(interval, self.refresh)))
+        return duties
 
     async def _poll(self) -> None:
         while True:
@@ -74,8 +84,9 @@ class HealthMonitor:
 
     async def refresh(self) -> None:
         """Discover again and reconcile with what the inventory holds."""
+        facts = self.agent.current() if self.agent is not None else None
         try:
-            found = await asyncio.to_thread(discover, self._backends)
+            found = await asyncio.to_thread(discover, self._backends, facts)
         except Exception as exc:  # a backend failing must not take the plugin down with it
             log.error("discovery failed: %s", exc)
             return
@@ -86,8 +97,7 @@ class HealthMonitor:
         seen = {gpu.id for gpu in found}
         result: list[Gpu] = []
         for gpu in found:
-            fault = self._faults.get(gpu.id)
-            if fault is not None and gpu.health is Health.HEALTHY:
+            if gpu.id in self._faults and gpu.health is Health.HEALTHY:
                 gpu = dataclasses.replace(gpu, health=Health.UNHEALTHY)
             if gpu.id not in current:
                 log.info("GPU %s (%s) appeared", gpu.id, gpu.model)
@@ -105,53 +115,50 @@ class HealthMonitor:
         except ConfigError as exc:
             log.error("the GPUs changed, but the sharing config does not fit them; keeping the old list:\n%s", exc)
 
-    async def _watch(self, source: EventSource, events: asyncio.Queue[HealthEvent]) -> None:
+    async def _watch(self, source: EventSource) -> None:
+        """A blocking event source (NVML's XID wait) runs in a thread; its events come back to the loop."""
         loop = asyncio.get_running_loop()
         stop = threading.Event()
 
         def emit(event: HealthEvent) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(self._events.put_nowait, event)
 
-        watcher = asyncio.create_task(asyncio.to_thread(source.watch, emit, stop))
         try:
-            await asyncio.shield(watcher)
-        except asyncio.CancelledError:
-            stop.set()
-            with contextlib.suppress(Exception):
-                await watcher
-            raise
-
-    async def _apply_events(self, events: asyncio.Queue[HealthEvent]) -> None:
-        try:
-            while True:
-                event = await events.get()
-                await self.apply(event)
+            await asyncio.to_thread(source.watch, emit, stop)
         finally:
-            for task in self._recoveries.values():
-                task.cancel()
+            # Cancelled: the thread sees this within its wait timeout and returns; the loop's executor waits for it.
+            stop.set()
+
+    async def _apply_events(self) -> None:
+        while True:
+            await self.apply(await self._events.get())
 
     async def apply(self, event: HealthEvent) -> None:
         if event.health is Health.HEALTHY:
             self._faults.pop(event.gpu_id, None)
+            self._faults_changed.set()
             await self._inventory.set_health(event.gpu_id, Health.HEALTHY, event.reason)
             return
-        self._faults[event.gpu_id] = _Fault(event.reason, event.at)
-        await self._inventory.set_health(event.gpu_id, Health.UNHEALTHY, event.reason)
         period = self._inventory.config.health.recovery_period
-        if period <= 0:
-            return
-        previous = self._recoveries.pop(event.gpu_id, None)
-        if previous is not None:
-            previous.cancel()
-        self._recoveries[event.gpu_id] = asyncio.create_task(
-            self._recover_after(event.gpu_id, period), name=f"recover {event.gpu_id}"
-        )
+        recover_at = time.monotonic() + period if period > 0 else None
+        self._faults[event.gpu_id] = _Fault(event.reason, event.at, recover_at)
+        self._faults_changed.set()
+        await self._inventory.set_health(event.gpu_id, Health.UNHEALTHY, event.reason)
 
-    async def _recover_after(self, gpu_id: str, period: float) -> None:
-        await asyncio.sleep(period)
-        fault = self._faults.pop(gpu_id, None)
-        self._recoveries.pop(gpu_id, None)
-        if fault is not None:
-            await self._inventory.set_health(
-                gpu_id, Health.HEALTHY, f"no new fault for {period:g}s since {fault.reason}"
-            )
+    async def _recover(self) -> None:
+        """One timer for every fault: a GPU is healthy again once its quiet period passed without a new fault."""
+        while True:
+            self._faults_changed.clear()
+            now = time.monotonic()
+            due = [(gpu_id, fault) for gpu_id, fault in self._faults.items()
+                   if fault.recover_at is not None and fault.recover_at <= now]
+            for gpu_id, fault in due:
+                del self._faults[gpu_id]
+                period = self._inventory.config.health.recovery_period
+                await self._inventory.set_health(gpu_id, Health.HEALTHY,
+                                                 f"no new fault for {period:g}s since {fault.reason}")
+            deadlines = [f.recover_at for f in self._faults.values() if f.recover_at is not None]
+            wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._faults_changed.wait()

@@ -21,18 +21,32 @@ _SUFFIXES: dict[str, int] = {
     "P": 10**15,
     "E": 10**18,
 }
-_QUANTITY = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+# Kubernetes' grammar: a signed number ("1", "1.5", "1.", ".5", "+4", "-2") and one suffix: binary SI (Ki..Ei),
+# decimal SI (m, k, M, G, T, P, E) or a decimal exponent ("e3", "E-2"). "1E" is one exa; "1E3" is a thousand.
+_QUANTITY = re.compile(
+    r"^(?P<sign>[+-]?)(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+    r"(?:(?P<exponent>[eE][+-]?[0-9]+)|(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?)$"
+)
+# Far beyond any real quantity; keeps a hostile "1e999999999" from costing time or memory.
+_MAX_EXPONENT = 100
 
 
 def parse_quantity(text: str) -> Fraction:
-    """A Kubernetes quantity ("48Gi", "500m", "2.5") as an exact number. Raises ValueError."""
-    match = _QUANTITY.match(text)
-    suffix = match.group(2) if match else None
-    if match is None or (suffix not in _SUFFIXES and suffix != "m"):
+    """A Kubernetes quantity ("48Gi", "500m", "2.5", "8e9", "+4Gi", ".5") as an exact number. Raises ValueError."""
+    match = _QUANTITY.match(text.strip())
+    if match is None:
         allowed = ", ".join(s for s in _SUFFIXES if s)
-        raise ValueError(f"expected a quantity such as 48Gi (suffixes: m, {allowed}), got {text!r}")
-    number = Fraction(Decimal(match.group(1)))
-    return number / 1000 if suffix == "m" else number * _SUFFIXES[suffix or ""]
+        raise ValueError(f"expected a quantity such as 48Gi (suffixes: m, {allowed}, or an exponent e3), got {text!r}")
+    number = Fraction(Decimal(match["number"]))
+    if match["sign"] == "-":
+        number = -number
+    if match["exponent"]:
+        exponent = int(match["exponent"][1:])
+        if abs(exponent) > _MAX_EXPONENT:
+            raise ValueError(f"exponent out of range in {text!r}")
+        return number * Fraction(10) ** exponent
+    suffix = match["suffix"] or ""
+    return number / 1000 if suffix == "m" else number * _SUFFIXES[suffix]
 
 
 def format_quantity(value: Fraction, binary: bool = False) -> str:
@@ -64,6 +78,8 @@ def parse_bytes(value: object) -> int:
     except ValueError:
         allowed = ", ".join(s for s in _SUFFIXES if s)
         raise ValueError(f"expected a byte quantity such as 48Gi (suffixes: {allowed}), got {value!r}") from None
+    if total < 0:
+        raise ValueError(f"must not be negative, got {value!r}")
     if total.denominator != 1:
         raise ValueError(f"must be a whole number of bytes, got {value!r}")
     return total.numerator

@@ -6,12 +6,12 @@ from typing import Any
 
 from rich.table import Table
 
-from gpuppetti.inventory import Inventory
+from gpuppetti.inventory import Snapshot
 from gpuppetti.model import Gpu
 from gpuppetti.quantity import format_bytes
 
 
-def _advertised(inventory: Inventory) -> dict[str, tuple[str, int]]:
+def _advertised(inventory: Snapshot) -> dict[str, tuple[str, int]]:
     per_gpu: dict[str, tuple[str, int]] = {}
     for name, plan in inventory.plan.items():
         for unit in plan.units:
@@ -44,7 +44,7 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None) -> dict[str
     }
 
 
-def gpu_records(inventory: Inventory) -> list[dict[str, Any]]:
+def gpu_records(inventory: Snapshot) -> list[dict[str, Any]]:
     advertised = _advertised(inventory)
     records = []
     for gpu in inventory.gpus.values():
@@ -53,7 +53,7 @@ def gpu_records(inventory: Inventory) -> list[dict[str, Any]]:
     return records
 
 
-def gpu_table(inventory: Inventory, title: str = "GPUs") -> Table:
+def gpu_table(inventory: Snapshot, title: str = "GPUs") -> Table:
     return records_table(gpu_records(inventory), title)
 
 

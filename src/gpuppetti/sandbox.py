@@ -12,10 +12,12 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
+from gpuppetti.model import ContainerEdits, DeviceNode, Mount
 
 DEFAULT_IMAGE = "localhost/gpuppetti-sandbox:busybox"
 BUSYBOX = Path("/bin/busybox")
@@ -38,18 +40,33 @@ class Seen:
     flags: list[str]
 
 
-def allocation_flags(response: pb.ContainerAllocateResponse) -> list[str]:
-    flags: list[str] = []
-    for device in response.cdi_devices:
-        flags += ["--device", device.name]
+def edits_of(response: pb.ContainerAllocateResponse) -> tuple[ContainerEdits, list[str]]:
+    """What an Allocate answer asks of the runtime: the container edits, and the CDI devices to apply."""
+    edits = ContainerEdits(env=dict(response.envs))
     for spec in response.devices:
-        flags += ["--device", f"{spec.host_path}:{spec.container_path}:{spec.permissions or 'rwm'}"]
+        edits.add_device_node(DeviceNode(spec.container_path, spec.host_path, spec.permissions or "rwm"))
     for mount in response.mounts:
+        edits.add_mount(Mount(mount.container_path, mount.host_path, mount.read_only))
+    return edits, [device.name for device in response.cdi_devices]
+
+
+def podman_flags(edits: ContainerEdits, cdi_devices: Sequence[str] = ()) -> list[str]:
+    """Container edits as podman flags: the third rendering, beside the Allocate answer and the CDI spec."""
+    flags: list[str] = []
+    for name in cdi_devices:
+        flags += ["--device", name]
+    for node in edits.device_nodes:
+        flags += ["--device", f"{node.source}:{node.path}:{node.permissions}"]
+    for mount in edits.mounts:
         options = ",ro" if mount.read_only else ""
         flags += ["--mount", f"type=bind,src={mount.host_path},dst={mount.container_path}{options}"]
-    for key, value in sorted(response.envs.items()):
+    for key, value in sorted(edits.env.items()):
         flags += ["--env", f"{key}={value}"]
     return flags
+
+
+def allocation_flags(response: pb.ContainerAllocateResponse) -> list[str]:
+    return podman_flags(*edits_of(response))
 
 
 def parse_probe(output: str) -> tuple[dict[str, str], list[str]]:

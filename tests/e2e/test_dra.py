@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from gpuppetti import cdi
-from gpuppetti.kubelet.dra import ClaimKey
+from tests.cdi_checks import spec_problems
 from tests.dra_support import DRIVER, NODE, Cluster
 from tests.helpers import TWO_M3_MAX, DaemonProcess
+from tests.standins.dra_kubelet import ClaimKey
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +57,7 @@ async def test_registers_publishes_prepares_and_unprepares(cluster: Cluster) -> 
     [cdi_id] = device.cdi_device_ids
     assert cdi_id == f"{cdi.DEFAULT_KIND}=claim-{claim.uid}-gpu"
     spec_file = _spec(cluster, claim)
-    assert cdi.spec_problems(spec_file) == []
+    assert spec_problems(spec_file) == []
     assert spec_file["cdiVersion"] == "0.3.0"
     env = _env(spec_file)
     assert env["GPUPPETTI_VISIBLE_DEVICES"] == "sim-apple-1"

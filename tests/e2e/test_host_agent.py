@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 
 from gpuppetti.hostagent import token
-from gpuppetti.kubelet.apiserver import ApiStandIn
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from tests.fixtures import virtio_vm
 from tests.helpers import FAKES, TWO_M3_MAX, DaemonProcess, PluginProcess, run_cli
+from tests.standins.apiserver import ApiStandIn
 
 pytestmark = pytest.mark.e2e
 MACOS_PATH = f"{FAKES / 'macos'}:/usr/bin:/bin"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti import cdi
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
+from tests.cdi_checks import spec_problems
 from tests.fixtures import amd_machine
 from tests.helpers import PluginProcess
 
@@ -29,7 +29,7 @@ async def test_cdi_cri_and_envvar(
     start_plugin(_config("[envvar, cdi-cri]"), "--host-root", str(tmp_path / "host"), "--cdi-dir", str(cdi_dir))
     await kubelet.wait_registered("amd.com/gpu")
     spec = json.loads((cdi_dir / "gpu.gpuppetti.dev-gpu.json").read_text())
-    assert cdi.spec_problems(spec) == []
+    assert spec_problems(spec) == []
     assert spec["cdiVersion"] == "0.3.0", "the lowest version its fields need; podman 4.3 rejects 0.6.0"
     assert spec["kind"] == "gpu.gpuppetti.dev/gpu"
     [device] = spec["devices"]

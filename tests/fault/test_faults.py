@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from gpuppetti.kubelet.dra import ClaimKey
 from gpuppetti.kubelet.emulator import AdmissionError, KubeletEmulator, Pod
 from tests.dra_support import DRIVER, Cluster
 from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli
+from tests.standins.dra_kubelet import ClaimKey
 
 pytestmark = pytest.mark.fault
 APPLE = "apple.com/gpu"

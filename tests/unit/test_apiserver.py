@@ -10,7 +10,7 @@ from kubernetes_asyncio import client, watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gpuppetti.kube import api_client
-from gpuppetti.kubelet.apiserver import ApiStandIn
+from tests.standins.apiserver import ApiStandIn
 
 GROUP, VERSION = "resource.k8s.io", "v1"
 
@@ -82,7 +82,7 @@ async def test_too_old_resource_version_is_gone(
     api: tuple[ApiStandIn, client.CustomObjectsApi, client.CoreV1Api]
 ) -> None:
     standin, custom, _ = api
-    from gpuppetti.kubelet import apiserver
+    from tests.standins import apiserver
 
     for n in range(apiserver.HISTORY + 5):
         await standin.create("resourceslices", _slice(f"s{n}"))

@@ -4,11 +4,12 @@ import asyncio
 
 import pytest
 
-from gpuppetti.deviceplugin.server import DeviceLists, RequestError, edits_to_response, resolve_request
+from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
+from gpuppetti.deviceplugin.server import RequestError, edits_to_response, resolve_request
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.edits import container_edits
-from gpuppetti.inventory import Inventory
+from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.model import DeviceNode, Health
+from gpuppetti.sharing.edits import container_edits
 from tests.helpers import TWO_M3_MAX, config_from
 
 
@@ -45,31 +46,35 @@ def test_device_nodes_render_into_the_allocate_response() -> None:
 def test_resolve_request_names_every_offending_id() -> None:
     inventory = _inventory()
     with pytest.raises(RequestError, match="unknown device ids 'a', 'b'"):
-        resolve_request(inventory, "apple.com/gpu", ["a", "sim-apple-0::0", "b"])
+        resolve_request(inventory.snapshot, "apple.com/gpu", ["a", "sim-apple-0::0", "b"])
     with pytest.raises(RequestError, match="names no device ids"):
-        resolve_request(inventory, "apple.com/gpu", [])
+        resolve_request(inventory.snapshot, "apple.com/gpu", [])
     with pytest.raises(RequestError, match="no longer advertises"):
-        resolve_request(inventory, "nvidia.com/gpu", ["x"])
+        resolve_request(inventory.snapshot, "nvidia.com/gpu", ["x"])
+
+
+def _listed(snapshot: Snapshot, resource: str = "apple.com/gpu") -> list[pb.Device]:
+    return list(pb.ListAndWatchResponse.FromString(snapshot.device_list(resource)).devices)
 
 
 async def test_health_changes_bump_the_version_and_the_list() -> None:
     inventory = _inventory()
     plan = inventory.plan["apple.com/gpu"]
-    assert {d.health for d in DeviceLists().build(inventory, plan).devices} == {"Healthy"}
+    assert [d.ID for d in _listed(inventory.snapshot)] == [u.id for u in plan.units]
+    assert {d.health for d in _listed(inventory.snapshot)} == {"Healthy"}
     waiter = asyncio.create_task(inventory.wait_for_change(inventory.version))
     assert await inventory.set_health("sim-apple-1", Health.UNHEALTHY, "test")
     assert await asyncio.wait_for(waiter, 1) == 1
     assert not await inventory.set_health("sim-apple-1", Health.UNHEALTHY)
-    listed = {d.ID: d.health for d in DeviceLists().build(inventory, plan).devices}
+    listed = {d.ID: d.health for d in _listed(inventory.snapshot)}
+    assert inventory.snapshot.plan is not None and inventory.plan["apple.com/gpu"] is plan, "health keeps the plan"
     assert listed["sim-apple-0::0"] == "Healthy" and listed["sim-apple-1::0"] == "Unhealthy"
     with pytest.raises(RequestError, match="unhealthy device ids 'sim-apple-1::1'"):
-        resolve_request(inventory, "apple.com/gpu", ["sim-apple-0::1", "sim-apple-1::1"])
+        resolve_request(inventory.snapshot, "apple.com/gpu", ["sim-apple-0::1", "sim-apple-1::1"])
 
 
 def test_topology_only_when_numa_is_known() -> None:
     without = _inventory(TWO_M3_MAX.replace(", numaNode: 0", ""))
-    devices = DeviceLists().build(without, without.plan["apple.com/gpu"]).devices
-    assert not any(d.HasField("topology") for d in devices)
+    assert not any(d.HasField("topology") for d in _listed(without.snapshot))
     with_numa = _inventory()
-    assert all([n.ID for n in d.topology.nodes] == [0]
-               for d in DeviceLists().build(with_numa, with_numa.plan["apple.com/gpu"]).devices)
+    assert all([n.ID for n in d.topology.nodes] == [0] for d in _listed(with_numa.snapshot))

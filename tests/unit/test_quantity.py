@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
-from gpuppetti.quantity import format_bytes, parse_bytes
+from gpuppetti.quantity import format_bytes, parse_bytes, parse_quantity
 
 
 @pytest.mark.parametrize(
@@ -25,3 +27,17 @@ def test_format() -> None:
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(12) == "12 B"
     assert format_bytes(None) == "-"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("8e9", 8 * 10**9), ("1E3", 1000), ("1E", 10**18), ("+4Gi", 4 * 2**30), (".5", Fraction(1, 2)),
+    ("1.", 1), ("500m", Fraction(1, 2)), ("2.5e-1", Fraction(1, 4)), ("-3", -3), ("12Gi", 12 * 2**30),
+])
+def test_every_form_of_the_kubernetes_grammar(text: str, expected: Fraction) -> None:
+    assert parse_quantity(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "Gi", "1.5.2", "1e", "1 Gi", "1GI", "1e3Gi", "e3", "1ee3", "1e99999"])
+def test_quantities_outside_the_grammar(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_quantity(text)

@@ -5,7 +5,8 @@ import pytest
 from gpuppetti.config import ConfigError
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.model import Gpu
-from gpuppetti.sharing import ResourcePlan, build_plan, preferred_allocation
+from gpuppetti.sharing.policy import preferred_allocation
+from gpuppetti.sharing.replicas import ResourcePlan, build_plan
 from tests.helpers import TWO_M3_MAX, config_from
 
 

@@ -1,9 +1,17 @@
 """Serving, registering and re-registering device plugin sockets as the kubelet comes and goes.
 
 The kubelet deletes every socket in its device plugin directory when it starts, and never dials plugins
-itself: a plugin must notice and register again. Each resource has a supervisor task that compares what
-is true now (its socket exists and is its own; the kubelet it registered with is the current one) with what
-it last did, and repairs the difference. inotify events only wake the supervisors; they carry no state.
+itself: a plugin must notice and register again. Each resource has a supervisor duty that compares what is true
+now with what it last did, and repairs the difference:
+
+- its socket exists and is its own (the same inode its server bound), else it serves again;
+- the kubelet it registered with is still connected: after a Register, the kubelet opens a ListAndWatch stream,
+  and a kubelet that goes away ends it. A registration counts only while that stream lives, so a plugin never
+  believes it is registered with a kubelet that is gone, whatever files a storm of restarts left behind;
+- every condition of the directory (missing, a directory squatting on the socket's name, a kubelet.sock that
+  is a symlink loop) is a state to wait out with a log line and a backoff, never an exit.
+
+inotify events only wake the supervisors; they carry no state.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ import errno
 import logging
 import os
 import stat
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -22,11 +31,15 @@ import grpc
 from gpuppetti import cdi
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from gpuppetti.backoff import Backoff
 from gpuppetti.deviceplugin import cdispec
 from gpuppetti.deviceplugin.server import DevicePluginService
+from gpuppetti.fsutil import make_directory
 from gpuppetti.grpcutil import new_server
+from gpuppetti.instancelock import InstanceLock
 from gpuppetti.inventory import Inventory
 from gpuppetti.metrics import Metrics
+from gpuppetti.runtime import Runtime
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -36,8 +49,8 @@ KUBELET_SOCKET = "kubelet.sock"
 API_VERSION = "v1beta1"
 # The kubelet dials back and opens ListAndWatch inside Register, with a 10 s dial timeout of its own.
 REGISTER_TIMEOUT_S = 15.0
-BACKOFF_INITIAL_S = 0.1
-BACKOFF_MAX_S = 5.0
+# After Register, how long to wait for the kubelet's ListAndWatch stream before registering again.
+STREAM_WAIT_S = 10.0
 STOP_GRACE_S = 0.2
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -52,32 +65,19 @@ def socket_name(resource: str) -> str:
     return f"gpuppetti-{resource.replace('/', '_')}.sock"
 
 
-class Backoff:
-    def __init__(self, initial: float = BACKOFF_INITIAL_S, maximum: float = BACKOFF_MAX_S) -> None:
-        self._initial, self._maximum = initial, maximum
-        self._next = initial
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self._next * 2, self._maximum)
-        return delay
-
-    def reset(self) -> None:
-        self._next = self._initial
-
-
 class ResourceEndpoint:
     """One grpc.aio server on one Unix socket, serving one resource."""
 
     def __init__(
-        self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics, cdi_kind: str = cdispec.KIND
+        self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics, cdi_kind: str = cdispec.KIND,
+        wake: asyncio.Event | None = None,
     ) -> None:
         self.resource = resource
-        self._metrics = metrics
-        self._cdi_kind = cdi_kind
         self.socket_name = socket_name(resource)
         self.path = directory / self.socket_name
-        self._inventory = inventory
+        # A ListAndWatch stream opening or ending wakes the supervisor: it is how a registration lives or dies.
+        self.wake = wake or asyncio.Event()
+        self.service = DevicePluginService(inventory, resource, metrics, cdi_kind, lambda count: self.wake.set())
         self._server: grpc.aio.Server | None = None
         self._inode: int | None = None
         # Bumped on every (re)start: a new socket needs a new registration.
@@ -89,31 +89,46 @@ class ResourceEndpoint:
             return False
         try:
             st = self.path.lstat()
-        except FileNotFoundError:
+        except OSError:
             return False
         return stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode
 
     async def restart(self) -> None:
+        """Serve on a fresh socket. Raises SocketDirError (a state to wait out) when the path cannot take one."""
         await self.stop()
         if len(str(self.path)) > MAX_SOCKET_PATH:
             raise SocketDirError(
                 f"socket path {self.path} is {len(str(self.path))} bytes; Unix sockets allow {MAX_SOCKET_PATH}"
             )
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(self.path.lstat().st_mode):
+        try:
+            st = self.path.lstat()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise SocketDirError(f"cannot look at {self.path}: {exc.strerror}") from exc
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a file that is not a socket"
+                raise SocketDirError(f"{self.path} is {kind}; the plugin's socket cannot be created there")
+            # A socket left behind by an earlier instance: we hold the directory's lock, so it is nobody's.
+            with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         server = new_server()
-        pb_grpc.add_DevicePluginServicer_to_server(
-            DevicePluginService(self._inventory, self.resource, self._metrics, self._cdi_kind), server)
+        server.add_generic_rpc_handlers((self.service.handler(),))
         try:
             server.add_insecure_port(f"unix:{self.path}")
         except RuntimeError as exc:
             raise SocketDirError(f"cannot create socket {self.path}: {exc}") from exc
         await server.start()
-        # Only the kubelet (root) has any business on this socket.
-        os.chmod(self.path, 0o600)
+        try:
+            # Only the kubelet (root) has any business on this socket.
+            os.chmod(self.path, 0o600, follow_symlinks=False)
+            self._inode = self.path.lstat().st_ino
+        except OSError as exc:
+            # Deleted (or replaced) between bind and chmod: serve again on the next round.
+            await server.stop(0)
+            raise SocketDirError(f"{self.path} vanished as it was created ({exc.strerror}); serving it again") from exc
         self._server = server
-        self._inode = self.path.lstat().st_ino
         self.serial += 1
         log.info("%s: serving on %s", self.resource, self.path)
 
@@ -123,7 +138,7 @@ class ResourceEndpoint:
             return
         await server.stop(STOP_GRACE_S)
         # Remove the socket only if it is still ours: a newer instance may own the name now.
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             if self.path.lstat().st_ino == self._inode:
                 self.path.unlink()
         self._inode = None
@@ -135,6 +150,26 @@ class _Supervised:
     wake: asyncio.Event
     task: asyncio.Task[None]
     registered: bool = False
+    # Why it is not registered (for /healthz), when it is not.
+    why: str = "starting"
+    # The deadline of a Register in flight: a kubelet that restarts meanwhile deleted our socket, and would spend
+    # its whole dial timeout (10 s) on it, so anything that wakes the supervisor cuts the Register short.
+    registering: asyncio.Timeout | None = None
+    cut_short: bool = False
+
+    def wake_up(self) -> None:
+        self.wake.set()
+        if self.registering is not None and not self.registering.expired():
+            self.cut_short = True
+            self.registering.reschedule(asyncio.get_running_loop().time())
+
+
+@dataclass
+class _Registration:
+    kubelet: tuple[int, int, int]
+    serial: int
+    at: float = field(default_factory=time.monotonic)
+    connected: bool = False
 
 
 class DevicePluginManager:
@@ -152,80 +187,111 @@ class DevicePluginManager:
         self._cdi_written: dict[str, object] | None = None
         self.kubelet_socket = directory / KUBELET_SOCKET
         self._resources: dict[str, _Supervised] = {}
+        self.lock = InstanceLock(directory, "device plugin")
+        self._kubelet_problem: str | None = None
 
     def waiting_for(self) -> str | None:
         """None once every resource is registered with the kubelet; else what is missing (for /healthz)."""
+        if self.lock.waiting_for:
+            return self.lock.waiting_for
         if not self._resources:
             return "no resource is being served yet"
-        missing = sorted(name for name, sup in self._resources.items() if not sup.registered)
+        missing = sorted(f"{name} ({sup.why})" for name, sup in self._resources.items() if not sup.registered)
         return f"not registered with the kubelet: {', '.join(missing)}" if missing else None
 
-    def _check_directory(self) -> None:
+    def check_directory(self) -> bool:
+        """At start: make sure the directory can hold sockets. Returns whether it had to be created. Raises
+        SocketDirError when it cannot be used at all (a start-up mistake, not a state to wait out)."""
+        created = not self.directory.exists()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            make_directory(self.directory)
         except OSError as exc:
-            raise SocketDirError(f"cannot create the device plugin directory {self.directory}: {exc.strerror}") from exc
-        if not self.directory.is_dir():
-            raise SocketDirError(f"{self.directory} is not a directory")
+            raise SocketDirError(f"cannot create the device plugin directory {self.directory}: "
+                                 f"{exc.strerror or exc}") from exc
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise SocketDirError(
                 f"cannot create sockets in {self.directory}: {os.strerror(errno.EACCES)} "
                 "(the plugin needs write access to the kubelet's device plugin directory, usually as root)"
             )
+        return created
 
-    async def run(self, stop: asyncio.Event) -> None:
-        self._check_directory()
-        async with asyncio.TaskGroup() as group:
-            watching = asyncio.Event()
-            watcher = group.create_task(self._watch(watching), name="device-plugin-socket-watch")
-            # Serve only once the watch is in place, so that no kubelet restart can slip by unseen.
-            await watching.wait()
-            reconciler = group.create_task(self._reconcile(group), name="device-plugin-reconcile")
-            await stop.wait()
-            watcher.cancel()
-            reconciler.cancel()
-            for supervised in self._resources.values():
-                supervised.task.cancel()
-        self._resources.clear()
-        log.info("device plugin stopped; sockets removed")
+    async def run(self, runtime: Runtime) -> None:
+        """Take the directory's lock, then spawn the socket watcher and the reconciler as duties."""
+        if self.check_directory():
+            log.warning("%s did not exist: created it. A kubelet creates %s there when it starts; until one does, "
+                        "the plugin waits (is --device-plugin-dir the kubelet's device plugin directory?)",
+                        self.directory, KUBELET_SOCKET)
+        await self.lock.acquire()
+        try:
+            await self._write_cdi_spec()
+        except OSError as exc:
+            raise SocketDirError(f"cannot write the CDI spec into {self.cdi_dir}: {exc.strerror or exc}") from exc
+        watching = asyncio.Event()
+        runtime.spawn("device-plugin-socket-watch", self._watch(watching))
+        # Serve only once the watch is in place, so that no kubelet restart can slip by unseen.
+        await watching.wait()
+        runtime.spawn("device-plugin-reconcile", self._reconcile(runtime))
 
-    def _write_cdi_spec(self) -> None:
-        strategies = self._inventory.config.plugin.device_list_strategy
+    async def _write_cdi_spec(self) -> None:
+        snapshot = self._inventory.snapshot
+        strategies = snapshot.config.plugin.device_list_strategy
         if self.cdi_dir is None or not any(s.startswith("cdi") for s in strategies):
             return
-        spec = cdispec.plugin_spec(self._inventory.gpus.values(), self.cdi_kind)
+        spec = cdispec.plugin_spec(snapshot.gpus.values(), self.cdi_kind)
         # Health changes move the inventory's version but not the spec: only GPUs coming and going do.
         if spec == self._cdi_written:
             return
-        try:
-            path = cdi.write_spec(self.cdi_dir, cdi.spec_filename(self.cdi_kind), spec)
-        except OSError as exc:
-            raise SocketDirError(f"cannot write the CDI spec into {self.cdi_dir}: {exc.strerror}") from exc
+        path = await asyncio.to_thread(cdi.write_spec, self.cdi_dir, cdi.spec_filename(self.cdi_kind), spec)
         self._cdi_written = spec
         log.info("wrote CDI spec %s", path)
 
-    async def _reconcile(self, group: asyncio.TaskGroup) -> None:
-        while True:
-            seen = self._inventory.version
-            # Before serving: an Allocate that names CDI devices must find them in the spec.
-            self._write_cdi_spec()
-            wanted = set(self._inventory.plan)
-            for name in sorted(wanted - self._resources.keys()):
-                endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics, self.cdi_kind)
-                wake = asyncio.Event()
-                task = group.create_task(self._supervise(endpoint, wake), name=f"device-plugin {name}")
-                self._resources[name] = _Supervised(endpoint, wake, task)
-            for name in sorted(self._resources.keys() - wanted):
-                log.info("%s: no longer advertised; stopping its server", name)
-                supervised = self._resources.pop(name)
-                supervised.task.cancel()
-            await self._inventory.wait_for_change(seen)
+    async def _reconcile(self, runtime: Runtime) -> None:
+        try:
+            while True:
+                seen = self._inventory.version
+                # Before serving: an Allocate that names CDI devices must find them in the spec.
+                try:
+                    await self._write_cdi_spec()
+                except OSError as exc:
+                    log.error("cannot write the CDI spec into %s (%s); CDI devices of new GPUs are missing until "
+                              "it can", self.cdi_dir, exc.strerror or exc)
+                wanted = set(self._inventory.plan)
+                for name in sorted(wanted - self._resources.keys()):
+                    wake = asyncio.Event()
+                    endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics, self.cdi_kind,
+                                                wake)
+                    # The list is encoded before the kubelet asks for it: its first list costs a join.
+                    self._inventory.snapshot.device_list(name)
+                    task = runtime.spawn(f"device-plugin {name}", self._supervise(endpoint, wake))
+                    self._resources[name] = _Supervised(endpoint, wake, task)
+                for name in sorted(self._resources.keys() - wanted):
+                    log.info("%s: no longer advertised; stopping its server", name)
+                    self._resources.pop(name).task.cancel()
+                await self._inventory.wait_for_change(seen)
+        finally:
+            self._resources.clear()
+            log.info("device plugin stopped; sockets removed")
+
+    def _wake_all(self) -> None:
+        for sup in self._resources.values():
+            sup.wake_up()
 
     async def _watch(self, watching: asyncio.Event) -> None:
+        backoff = Backoff(0.2, 5.0)
         while True:
+            try:
+                make_directory(self.directory)
+            except OSError as exc:
+                log.error("the device plugin directory %s is gone and cannot be created (%s); retrying",
+                          self.directory, exc.strerror or exc)
+                await backoff.wait()
+                continue
             async for event in watch_directory(self.directory):
                 if event.change is Change.READY:
+                    backoff.reset()
                     watching.set()
+                    # Whatever happened while the watch was down: everyone looks again.
+                    self._wake_all()
                     continue
                 names = {sup.endpoint.socket_name: name for name, sup in self._resources.items()}
                 if event.change is Change.RESCAN or (
@@ -233,20 +299,41 @@ class DevicePluginManager:
                 ):
                     if event.change is Change.CREATED:
                         log.info("kubelet socket %s appeared", self.kubelet_socket)
-                    for sup in self._resources.values():
-                        sup.wake.set()
+                    self._wake_all()
                 elif event.change is Change.DELETED and event.name in names:
-                    self._resources[names[event.name]].wake.set()
-            log.error("stopped watching %s (was it removed?); watching again in 1s", self.directory)
-            await asyncio.sleep(1.0)
-            with contextlib.suppress(OSError):
-                self.directory.mkdir(parents=True, exist_ok=True)
-            for sup in self._resources.values():
-                sup.wake.set()
+                    self._resources[names[event.name]].wake_up()
+            log.error("stopped watching %s (was it removed?); watching it again", self.directory)
+            self._wake_all()
+            await backoff.wait()
+
+    def _kubelet_identity(self) -> tuple[int, int, int] | None:
+        """Which kubelet.sock is there now; None when there is none a Register could reach."""
+        try:
+            st = self.kubelet_socket.stat()
+        except FileNotFoundError:
+            self._kubelet_problem = None
+            return None
+        except OSError as exc:
+            # A symlink loop, a dangling link, a permission problem: there is no kubelet to talk to.
+            problem = f"{self.kubelet_socket} cannot be reached: {exc.strerror or exc}"
+            if problem != self._kubelet_problem:
+                log.error("%s; waiting for a real kubelet socket", problem)
+                self._kubelet_problem = problem
+            return None
+        self._kubelet_problem = None
+        if not stat.S_ISSOCK(st.st_mode):
+            return None
+        return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    def _mark(self, name: str, registered: bool, why: str = "") -> None:
+        supervised = self._resources.get(name)
+        if supervised is not None:
+            supervised.registered = registered
+            supervised.why = why
 
     async def _supervise(self, endpoint: ResourceEndpoint, wake: asyncio.Event) -> None:
-        backoff = Backoff()
-        registered_for: tuple[tuple[int, int, int], int] | None = None
+        backoff = Backoff(0.1, 5.0)
+        current: _Registration | None = None
         waiting_logged = False
         name = endpoint.resource
         try:
@@ -255,58 +342,83 @@ class DevicePluginManager:
                 if not endpoint.intact():
                     if endpoint.serial:
                         self.metrics.restarts.labels(name).inc()
-                        log.info("%s: socket %s is gone (kubelet restart?); serving it again",
-                                    name, endpoint.path)
-                    self._mark(name, False)
-                    await endpoint.restart()
+                        log.info("%s: socket %s is gone (kubelet restart?); serving it again", name, endpoint.path)
+                    current = None
+                    self._mark(name, False, "serving its socket")
+                    try:
+                        await endpoint.restart()
+                    except SocketDirError as exc:
+                        delay = backoff.next()
+                        log.error("%s: %s; trying again in %.1fs", name, exc, delay)
+                        await _wait(wake, delay)
+                        continue
                 kubelet = self._kubelet_identity()
-                want = (kubelet, endpoint.serial) if kubelet is not None else None
-                if want is not None and registered_for == want:
-                    await wake.wait()
-                    continue
-                self._mark(name, False)
-                if want is None:
+                if current is not None:
+                    streams = endpoint.service.streams
+                    if streams and current.kubelet == kubelet and current.serial == endpoint.serial:
+                        if not current.connected:
+                            current.connected = True
+                            backoff.reset()
+                            self._mark(name, True)
+                        await _wait(wake)
+                        continue
+                    if current.connected:
+                        log.info("%s: the kubelet's ListAndWatch stream ended (kubelet restart?); registering "
+                                 "again", name)
+                        current = None
+                    elif kubelet == current.kubelet and time.monotonic() - current.at < STREAM_WAIT_S:
+                        # Registered, and the kubelet's stream has not opened yet.
+                        await _wait(wake, STREAM_WAIT_S - (time.monotonic() - current.at))
+                        continue
+                    else:
+                        if kubelet == current.kubelet:
+                            log.warning("%s: the kubelet did not open ListAndWatch within %.0fs of Register; "
+                                        "registering again", name, STREAM_WAIT_S)
+                        current = None
+                self._mark(name, False, "waiting for the kubelet")
+                if kubelet is None:
                     delay = backoff.next()
-                    if not waiting_logged or delay >= BACKOFF_MAX_S:
-                        log.warning("%s: waiting for the kubelet: %s does not exist yet "
-                                    "(registering as soon as it appears; re-checking in %.1fs)",
-                                    name, self.kubelet_socket, delay)
+                    if not waiting_logged or backoff.at_maximum:
+                        # A kubelet restart takes a moment: said quietly first, loudly while it lasts.
+                        log.log(logging.WARNING if waiting_logged else logging.INFO,
+                                "%s: waiting for the kubelet: %s does not exist yet "
+                                "(registering as soon as it appears; re-checking in %.1fs)",
+                                name, self.kubelet_socket, delay)
                         waiting_logged = True
                     await _wait(wake, delay)
                     continue
+                supervised = self._resources[name]
+                supervised.cut_short = False
                 try:
-                    await self._register(endpoint)
+                    async with asyncio.timeout(REGISTER_TIMEOUT_S) as scope:
+                        supervised.registering = scope
+                        try:
+                            await self._register(endpoint)
+                        finally:
+                            supervised.registering = None
                 except grpc.aio.AioRpcError as exc:
                     delay = backoff.next()
                     log.warning("%s: Register with %s failed (%s: %s); retrying in %.1fs on a fresh connection",
                                 name, self.kubelet_socket, exc.code().name, exc.details(), delay)
                     await _wait(wake, delay)
                     continue
-                registered_for = want
+                except TimeoutError:
+                    if supervised.cut_short:
+                        log.info("%s: Register with %s cut short: the plugin's socket or the kubelet changed "
+                                 "meanwhile; retrying at once", name, self.kubelet_socket)
+                        continue
+                    delay = backoff.next()
+                    log.warning("%s: the kubelet did not answer Register within %.0fs; retrying in %.1fs", name,
+                                REGISTER_TIMEOUT_S, delay)
+                    await _wait(wake, delay)
+                    continue
+                current = _Registration(kubelet, endpoint.serial)
                 waiting_logged = False
-                backoff.reset()
                 self.metrics.registrations.labels(name).inc()
-                self._mark(name, True)
                 log.info("%s: registered with the kubelet (endpoint %s)", name, endpoint.socket_name)
         finally:
-            self._mark(name, False)
+            self._mark(name, False, "stopped")
             await endpoint.stop()
-
-    def _kubelet_identity(self) -> tuple[int, int, int] | None:
-        """Which kubelet.sock is there now: a new file means a new kubelet, which knows no earlier registration.
-
-        The creation time tells a re-created socket from the old one even when the inode number is reused.
-        """
-        try:
-            st = self.kubelet_socket.stat()
-        except FileNotFoundError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_ctime_ns)
-
-    def _mark(self, name: str, registered: bool) -> None:
-        supervised = self._resources.get(name)
-        if supervised is not None:
-            supervised.registered = registered
 
     async def _register(self, endpoint: ResourceEndpoint) -> None:
         # A local subchannel pool forces a new connection: a half-dead one from a failed attempt is never reused.
@@ -324,7 +436,9 @@ class DevicePluginManager:
             )
 
 
-async def _wait(event: asyncio.Event, seconds: float) -> None:
+async def _wait(wake: asyncio.Event, seconds: float | None = None) -> float:
+    """Wait until ``wake`` is set or ``seconds`` pass; returns ``seconds`` (or 0), for the log line."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
-            await event.wait()
+            await wake.wait()
+    return seconds or 0.0

@@ -1,18 +1,23 @@
-"""The ``gpuppetti plugin`` process: discover, serve, and stop or reload on signals."""
+"""The ``gpuppetti plugin`` process: its duties, started by the runtime and stopped on one path.
+
+Duties: the HTTP endpoint (first, so that /livez answers during start-up), the socket watcher, the reconciler and
+one supervisor per resource, the health monitor's duties, node labels, and config reloads.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.daemon import Sources, StartupError, reload, serve_until_signalled, start_inventory
+from gpuppetti.daemon import Sources, reload, start_inventory
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import looked_at
 from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.metrics import Metrics
 from gpuppetti.report import gpu_records
+from gpuppetti.runtime import Runtime, StartupError
 
 log = logging.getLogger(__name__)
 
@@ -25,58 +30,55 @@ class Labelling:
     kubeconfig: Path | None
 
 
-async def run_plugin(
-    sources: Sources, device_plugin_dir: Path, http_address: str | None, cdi_dir: Path | None = None,
-    labelling: Labelling | None = None,
-) -> None:
+@dataclass(frozen=True)
+class PluginOptions:
+    device_plugin_dir: Path
+    http_address: str | None = None
+    cdi_dir: Path | None = None
+    labelling: Labelling | None = None
+
+
+async def run_plugin(sources: Sources, options: PluginOptions) -> None:
+    await Runtime().run(lambda runtime: start_plugin(runtime, sources, options))
+
+
+async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOptions) -> None:
+    metrics = Metrics()
+    http = HttpServer(metrics)
+    if options.http_address:
+        await http.start(options.http_address)
+        runtime.spawn("http", http.serve())
+
     inventory, monitor, found = await start_inventory(sources)
     for name, plan in inventory.plan.items():
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
-    metrics = Metrics()
     metrics.watch(inventory)
-    manager = DevicePluginManager(inventory, device_plugin_dir, metrics, cdi_dir)
+    manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.cdi_dir)
 
     def waiting_for() -> str | None:
         if not inventory.gpus:
             return f"{READY_NOTE}no GPUs found on this node; serving nothing ({'; '.join(looked_at(found.backends))})"
         return manager.waiting_for()
 
-    http = HttpServer(metrics, waiting_for, lambda: gpu_records(inventory))
-    if http_address:
-        await http.start(http_address)
+    http.readiness = waiting_for
+    http.records = lambda: gpu_records(inventory.snapshot)
 
-    api = None
+    labelling = options.labelling
     if labelling is not None:
         if not labelling.node:
             raise StartupError("--label-node needs the node's name: pass --node-name or set NODE_NAME")
         from gpuppetti.kube import api_client
+        from gpuppetti.labels import NodeLabeler
 
         try:
             api = await api_client(labelling.kubeconfig)
         except Exception as exc:
             raise StartupError(f"--label-node cannot configure the Kubernetes API client: {exc}") from exc
+        runtime.spawn("node-labels", NodeLabeler(api, inventory, labelling.node).run())
 
-    labeler = None
-    if api is not None and labelling is not None:
-        from gpuppetti.labels import NodeLabeler
-
-        labeler = NodeLabeler(api, inventory, labelling.node)
-
-    async def serve(stop: asyncio.Event) -> None:
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(manager.run(stop), name="device-plugin")
-                background = [group.create_task(monitor.run(), name="health-monitor")]
-                if labeler is not None:
-                    background.append(group.create_task(labeler.run(), name="node-labels"))
-                await stop.wait()
-                for task in background:
-                    task.cancel()
-        finally:
-            await http.stop()
-            if labeler is not None:
-                await labeler.clear()
-            if api is not None:
-                await api.close()
-
-    await serve_until_signalled(serve, lambda: reload(sources, inventory, monitor))
+    for name, duty in monitor.duties():
+        runtime.spawn(name, duty)
+    runtime.spawn("config-reload", runtime.reloads(lambda: reload(sources, inventory, monitor)))
+    await manager.run(runtime)
+    # Everything built at start lives as long as the process: keep the collector from scanning it again.
+    gc.freeze()

@@ -1,62 +1,42 @@
-"""The five DevicePlugin RPCs for one extended resource, answered from the inventory."""
+"""The five DevicePlugin RPCs for one extended resource, answered from the inventory's current snapshot.
+
+ListAndWatch sends the snapshot's encoded list as it is (bytes, not messages), so a list of 10,000 units costs a
+join. At most ``MAX_STREAMS`` ListAndWatch streams are kept per resource: the kubelet opens one, a new one ends the
+oldest (a kubelet that re-registers wins over a stream left behind), and a client that never reads holds at most
+one list in flight, never a queue.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 
 from gpuppetti import cdi
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.deviceplugin import cdispec
-from gpuppetti.edits import container_edits
-from gpuppetti.inventory import Inventory
+from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.metrics import Metrics
-from gpuppetti.model import ContainerEdits, Health, Unit
-from gpuppetti.sharing import ResourcePlan, preferred_allocation
+from gpuppetti.model import ContainerEdits, Health
+from gpuppetti.sharing.edits import container_edits
+from gpuppetti.sharing.policy import preferred_allocation
+from gpuppetti.sharing.replicas import Unit
 
 log = logging.getLogger(__name__)
+
+SERVICE = "v1beta1.DevicePlugin"
+MAX_STREAMS = 2
+# How many offending ids an error message names before it just counts them.
+NAMED_IDS = 5
 
 
 class RequestError(Exception):
     """A request the plugin refuses; becomes INVALID_ARGUMENT with this message."""
-
-
-class DeviceLists:
-    """Builds ListAndWatch responses, reusing each unit's Device message while its GPU's state is unchanged.
-
-    Building 10,000 Device messages costs more than copying them, and a health change touches one GPU's units.
-    """
-
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[tuple[str, int | None], pb.Device]] = {}
-
-    def build(self, inventory: Inventory, plan: ResourcePlan | None) -> pb.ListAndWatchResponse:
-        response = pb.ListAndWatchResponse()
-        if plan is None:
-            return response
-        devices = []
-        cache = self._cache
-        fresh: dict[str, tuple[tuple[str, int | None], pb.Device]] = {}
-        for unit in plan.units:
-            gpu = inventory.gpus[unit.gpu_id]
-            state = (str(gpu.health), gpu.numa_node)
-            cached = cache.get(unit.id)
-            if cached is not None and cached[0] == state:
-                device = cached[1]
-            else:
-                device = pb.Device(ID=unit.id, health=state[0])
-                if gpu.numa_node is not None and gpu.numa_node >= 0:
-                    device.topology.nodes.add(ID=gpu.numa_node)
-            fresh[unit.id] = (state, device)
-            devices.append(device)
-        self._cache = fresh
-        response.devices.extend(devices)
-        return response
 
 
 def edits_to_response(
@@ -81,28 +61,32 @@ def edits_to_response(
     return response
 
 
-def _quoted(ids: Sequence[str]) -> str:
-    return ", ".join(repr(i) for i in ids)
+def quoted(ids: Sequence[str]) -> str:
+    """The first few ids, quoted and cut to a sane length, and how many more there are: a request with 100,000
+    ids (or one id of megabytes) gets an error message of a line, not of megabytes."""
+    named = ", ".join(repr(i if len(i) <= 80 else i[:77] + "...") for i in ids[:NAMED_IDS])
+    more = len(ids) - NAMED_IDS
+    return f"{named} and {more} more ({len(ids)} in all)" if more > 0 else named
 
 
-def resolve_request(inventory: Inventory, resource: str, ids: Sequence[str]) -> list[Unit]:
-    """The units behind one container request. Raises RequestError naming every offending id."""
-    plan = inventory.resource(resource)
+def resolve_request(snapshot: Snapshot, resource: str, ids: Sequence[str]) -> list[Unit]:
+    """The units behind one container request. Raises RequestError naming the offending ids."""
+    plan = snapshot.resource(resource)
     if not ids:
         raise RequestError(f"{resource}: the container request names no device ids")
     if plan is None:
-        raise RequestError(f"{resource}: this plugin no longer advertises the resource; unknown ids {_quoted(ids)}")
+        raise RequestError(f"{resource}: this plugin no longer advertises the resource; unknown ids {quoted(ids)}")
     duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)
     if duplicates:
-        raise RequestError(f"{resource}: device ids requested more than once: {_quoted(duplicates)}")
+        raise RequestError(f"{resource}: device ids requested more than once: {quoted(duplicates)}")
     unknown = [i for i in ids if i not in plan.by_id]
     if unknown:
-        raise RequestError(f"{resource}: unknown device ids {_quoted(unknown)}")
+        raise RequestError(f"{resource}: unknown device ids {quoted(unknown)}")
     units = [plan.by_id[i] for i in ids]
-    unhealthy = [u.id for u in units if inventory.gpus[u.gpu_id].health != Health.HEALTHY]
+    unhealthy = [u.id for u in units if snapshot.gpus[u.gpu_id].health != Health.HEALTHY]
     if unhealthy:
-        raise RequestError(f"{resource}: unhealthy device ids {_quoted(unhealthy)}")
-    time_slicing = inventory.config.sharing.time_slicing
+        raise RequestError(f"{resource}: unhealthy device ids {quoted(unhealthy)}")
+    time_slicing = snapshot.config.sharing.time_slicing
     if time_slicing.fail_requests_greater_than_one and len(units) > 1 and any(u.shared for u in units):
         raise RequestError(
             f"request for '{resource}: {len(units)}' is too large: failRequestsGreaterThanOne is set, so a "
@@ -112,40 +96,86 @@ def resolve_request(inventory: Inventory, resource: str, ids: Sequence[str]) -> 
     return units
 
 
-class DevicePluginService(pb_grpc.DevicePluginServicer):
-    def __init__(self, inventory: Inventory, resource: str, metrics: Metrics, cdi_kind: str = cdispec.KIND) -> None:
+class DevicePluginService:
+    """The RPCs of one resource. ``streams`` tells the endpoint how many kubelet streams are open."""
+
+    def __init__(self, inventory: Inventory, resource: str, metrics: Metrics, cdi_kind: str = cdispec.KIND,
+                 on_streams: Callable[[int], None] | None = None) -> None:
         self._inventory = inventory
         self._resource = resource
         self._metrics = metrics
         self._cdi_kind = cdi_kind
+        self._on_streams = on_streams
+        # The tasks grpc runs the open ListAndWatch calls in: ending one is cancelling it.
+        self._streams: list[asyncio.Task[Any]] = []
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service, with ListAndWatch answering pre-encoded bytes."""
+        def passthrough(data: bytes) -> bytes:
+            return data
+
+        handlers: dict[str, Any] = {
+            "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
+                self.GetDevicePluginOptions, pb.Empty.FromString, pb.DevicePluginOptions.SerializeToString),
+            "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+                self.ListAndWatch, pb.Empty.FromString, passthrough),
+            "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
+                self.GetPreferredAllocation, pb.PreferredAllocationRequest.FromString,
+                pb.PreferredAllocationResponse.SerializeToString),
+            "Allocate": grpc.unary_unary_rpc_method_handler(
+                self.Allocate, pb.AllocateRequest.FromString, pb.AllocateResponse.SerializeToString),
+            "PreStartContainer": grpc.unary_unary_rpc_method_handler(
+                self.PreStartContainer, pb.PreStartContainerRequest.FromString,
+                pb.PreStartContainerResponse.SerializeToString),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+    @property
+    def streams(self) -> int:
+        return len(self._streams)
+
+    def _streams_changed(self) -> None:
+        if self._on_streams is not None:
+            self._on_streams(len(self._streams))
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext
     ) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
-    async def ListAndWatch(
-        self, request: pb.Empty, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ListAndWatchResponse]:
-        inventory = self._inventory
-        seen = inventory.version
-        last: pb.ListAndWatchResponse | None = None
-        lists = DeviceLists()
+    async def ListAndWatch(self, request: pb.Empty, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        this = asyncio.current_task()
+        assert this is not None
+        self._streams.append(this)
+        while len(self._streams) > MAX_STREAMS:
+            oldest = self._streams.pop(0)
+            log.warning("%s: more than %d ListAndWatch streams; ending the oldest", self._resource, MAX_STREAMS)
+            oldest.cancel()
+        self._streams_changed()
         log.info("%s: kubelet opened ListAndWatch", self._resource)
-        while True:
-            current = lists.build(inventory, inventory.resource(self._resource))
-            # Health or config changes elsewhere in the inventory need not reach this resource's kubelet.
-            if current != last:
-                yield current
-                last = current
-            seen = await inventory.wait_for_change(seen)
+        inventory = self._inventory
+        last: bytes | None = None
+        try:
+            while True:
+                snapshot = inventory.snapshot
+                current = snapshot.device_list(self._resource)
+                # Changes elsewhere in the inventory need not reach this resource's kubelet.
+                if current != last:
+                    yield current
+                    last = current
+                await inventory.wait_for_change(snapshot.version)
+        finally:
+            if this in self._streams:
+                self._streams.remove(this)
+            self._streams_changed()
 
     async def GetPreferredAllocation(
         self, request: pb.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PreferredAllocationResponse:
-        plan = self._inventory.resource(self._resource)
+        snapshot = self._inventory.snapshot
+        plan = snapshot.resource(self._resource)
         response = pb.PreferredAllocationResponse()
-        policy = self._inventory.config.plugin.allocation_policy
+        policy = snapshot.config.plugin.allocation_policy
         for container in request.container_requests:
             if container.allocation_size < 0:
                 await context.abort(
@@ -182,23 +212,25 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         if not request.container_requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self._resource}: no container requests")
         response = pb.AllocateResponse()
-        inventory = self._inventory
+        snapshot = self._inventory.snapshot
+        strategies = snapshot.config.plugin.device_list_strategy
         for number, container in enumerate(request.container_requests):
             try:
-                units = resolve_request(inventory, self._resource, list(container.devices_ids))
+                units = resolve_request(snapshot, self._resource, list(container.devices_ids))
             except RequestError as exc:
                 prefix = f"container request {number}: " if len(request.container_requests) > 1 else ""
                 log.warning("Allocate refused: %s%s", prefix, exc)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{prefix}{exc}")
-            strategies = inventory.config.plugin.device_list_strategy
             gpu_ids = list(dict.fromkeys(u.gpu_id for u in units))
-            names = [cdi.qualified_name(self._cdi_kind, cdispec.device_name(inventory.gpus[g])) for g in gpu_ids]
+            names = [cdi.qualified_name(self._cdi_kind, cdispec.device_name(snapshot.gpus[g])) for g in gpu_ids]
             response.container_responses.append(edits_to_response(
-                container_edits(units, inventory.gpus), strategies, names,
+                container_edits(units, snapshot.gpus), strategies, names,
                 cdispec.annotation_key(self._resource, [u.id for u in units]),
             ))
             self._metrics.allocated_units.labels(self._resource).inc(len(units))
-            log.info("%s: allocated %s", self._resource, ", ".join(u.id for u in units))
+            # Debug, not info: a line per Allocate costs more than the Allocate itself.
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: allocated %s", self._resource, ", ".join(u.id for u in units))
         return response
 
     async def PreStartContainer(

@@ -13,24 +13,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
 from gpuppetti.config import VirtioSection
 from gpuppetti.discovery.pciids import find_database, model_name
 from gpuppetti.model import DeviceNode, Gpu, Vendor
 
-if TYPE_CHECKING:
-    from gpuppetti.hostagent.client import AgentFacts
-
 log = logging.getLogger(__name__)
-
-
-class FactsSource(Protocol):
-    """What the host agent last said about the Mac's GPU (gpuppetti.hostagent.client.HostAgentSource)."""
-
-    def current(self) -> AgentFacts | None:
-        ...
-
 PCI_VENDORS = {"10de": Vendor.NVIDIA, "1002": Vendor.AMD, "8086": Vendor.INTEL, "1af4": Vendor.VIRTIO}
 DRIVER_VENDORS = {
     "virtio_gpu": Vendor.VIRTIO,
@@ -121,11 +109,14 @@ def _nvidia_proc(host_root: Path, pci_address: str | None) -> _NvidiaProc | None
 
 class DrmBackend:
     name = "drm"
+    polls = True
+    # NVML knows NVIDIA cards better (UUID, memory, XIDs); sysfs knows every other vendor's as well as anyone.
+    authoritative_for = frozenset({Vendor.AMD, Vendor.INTEL, Vendor.VIRTIO, Vendor.APPLE, Vendor.OTHER})
+    runs_when_named = False
 
-    def __init__(self, host_root: Path, virtio: VirtioSection, agent: FactsSource | None = None) -> None:
+    def __init__(self, host_root: Path, virtio: VirtioSection) -> None:
         self.host_root = host_root
         self._virtio = virtio
-        self._agent = agent
         self.drm_dir = host_root / "sys/class/drm"
         # What was worth a warning once: discovery runs again at every health poll.
         self._warned: set[str | None] = set()
@@ -225,14 +216,8 @@ class DrmBackend:
             vendor = Vendor(virtio.vendor)
             model = virtio.model or ("Apple GPU (virtio-gpu Venus)" if vendor is Vendor.APPLE else "Virtio-GPU")
             memory, cores = virtio.memory, virtio.cores
+            # The config's word; the merge step lays the host agent's facts over it where there are any.
             facts = "config"
-            agent = self._agent.current() if self._agent is not None else None
-            if agent is not None:
-                # Only the Mac knows what its GPU is; the VM sees a virtio device.
-                vendor, model, facts = Vendor.APPLE, agent.model, agent.source
-                cores = agent.cores or cores
-                memory = agent.memory_bytes or memory
-                utilization, used = agent.utilization_percent, agent.in_use_memory_bytes
             # Under Venus, Vulkan reports the host GPU's ids, not virtio's: only the config knows them.
             pci_ids = None
             if virtio.vulkan_device:

@@ -133,6 +133,10 @@ def metal_working_set() -> int | None:
 
 class MacosBackend:
     name = "macos"
+    polls = True
+    authoritative_for: frozenset[Vendor] = frozenset()
+    # Its commands come from PATH, so it runs wherever it is named (the tests run it on Linux).
+    runs_when_named = True
 
     def __init__(self) -> None:
         self._why_not: str | None = None

@@ -75,6 +75,9 @@ def normalise_bus_id(bus_id: str) -> str:
 
 class NvmlBackend:
     name = "nvml"
+    polls = True
+    authoritative_for = frozenset({Vendor.NVIDIA})
+    runs_when_named = False
 
     def __init__(self, host_root: Path, ignored_xids: Iterable[int], module: ModuleType | None = None) -> None:
         self.host_root = host_root

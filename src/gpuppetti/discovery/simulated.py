@@ -8,6 +8,10 @@ from gpuppetti.model import Gpu, Health, Vendor
 
 class SimulatedBackend:
     name = "simulated"
+    # Nothing here changes by itself; a reload re-reads the config.
+    polls = False
+    authoritative_for: frozenset[Vendor] = frozenset()
+    runs_when_named = True
 
     def __init__(self, section: SimulatedSection) -> None:
         self._section = section
@@ -37,6 +41,7 @@ class SimulatedBackend:
                         memory_bytes=entry.memory,
                         numa_node=entry.numa_node,
                         health=Health(entry.health),
+                        simulated=True,
                     )
                 )
         return gpus

@@ -22,9 +22,8 @@ from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpuppetti._proto.pluginregistration.v1 import api_pb2 as reg
 from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpuppetti.dra.checkpoint import PreparedDevice
-from gpuppetti.dra.devices import pool_devices
 from gpuppetti.dra.state import ClaimRef, DraState, PrepareError
-from gpuppetti.inventory import Inventory
+from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.metrics import Metrics
 from gpuppetti.model import Health
 
@@ -78,16 +77,18 @@ class DraService:
         return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
-        error = ""
         with self._metrics.unprepare_seconds.time():
             try:
-                await self.state.unprepare(claims)
-            except Exception as exc:
+                answers = await self.state.unprepare(claims)
+            except Exception as exc:  # never a gRPC error: the kubelet would ignore every claim's answer
                 log.exception("unprepare failed")
-                error = f"internal error: {exc}"
-        for _ in claims:
+                answers = {claim.uid: f"internal error: {exc}" for claim in claims}
+        for claim in claims:
+            error = answers[claim.uid]
+            if error:
+                log.warning("unprepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, error)
             self._metrics.unprepare_requests.labels("error" if error else "ok").inc()
-        return {claim.uid: error for claim in claims}
+        return answers
 
 
 class _DraPlugin:
@@ -136,11 +137,11 @@ class DraPluginV1beta1(_DraPlugin, v1beta1_grpc.DRAPluginServicer):
         super().__init__(service, v1beta1, share_ids=False)
 
 
-def health_list(inventory: Inventory, node: str) -> health.NodeWatchResourcesResponse:
+def health_list(snapshot: Snapshot, node: str) -> health.NodeWatchResourcesResponse:
     response = health.NodeWatchResourcesResponse()
     now = int(time.time())
-    for device in pool_devices(inventory.gpus, inventory.config.dra).values():
-        gpu = inventory.gpus[device.gpu_id]
+    for device in snapshot.pool.devices.values():
+        gpu = snapshot.gpus[device.gpu_id]
         status = health.HEALTHY if gpu.health is Health.HEALTHY else health.UNHEALTHY
         response.devices.add(
             device=health.DeviceIdentifier(pool_name=node, device_name=device.name),
@@ -160,8 +161,9 @@ class ResourceHealth(health_grpc.DRAResourceHealthServicer):
     ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
         inventory = self._inventory
         while True:
-            seen = inventory.version
-            yield health_list(inventory, self._node)
+            snapshot = inventory.snapshot
+            seen = snapshot.version
+            yield health_list(snapshot, self._node)
             # Each message is the complete list; re-send it before the kubelet's staleness timeout too.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(HEALTH_REFRESH_S):

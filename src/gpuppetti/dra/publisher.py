@@ -1,52 +1,54 @@
-"""Publishes the node's pool as ResourceSlices and keeps it there.
+"""Publishes the node's pool as ResourceSlices and keeps it there, whatever the API server does.
 
-The kubelet deletes a node's slices when it starts, and again when no driver instance has been connected for
-30 s; others may delete them by mistake. The publisher watches its own slices and re-creates what goes missing.
-It writes only when something differs from what it last wrote (by resourceVersion), so an API server that
-normalises quantities cannot set off a write loop.
+It publishes only once the kubelet has confirmed the driver's registration (a slice published earlier could be
+scheduled to, and the kubelet would fail that pod's Prepare). The kubelet deletes a node's slices when it starts,
+and again when no driver instance has been connected for 30 s; others may delete them by mistake: the publisher
+watches its own slices and re-creates what goes missing. It writes only when something differs from what it last
+wrote (by resourceVersion), so an API server that normalises quantities cannot set off a write loop. Every failure
+(an API server restart, a cut connection, a timeout) is retried with backoff until the pool is there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
-from kubernetes_asyncio import client, watch
-from kubernetes_asyncio.client.exceptions import ApiException
-
+from gpuppetti.backoff import Backoff
 from gpuppetti.dra.slices import PoolContent, pool_content, resource_slices
 from gpuppetti.inventory import Inventory
-from gpuppetti.kube import RESOURCE_GROUP, RESOURCE_VERSION
+from gpuppetti.kube import ApiError, Kube
+from gpuppetti.kubeobjects import OwnerReference
 from gpuppetti.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-PLURAL = "resourceslices"
-WATCH_TIMEOUT_S = 300
 RETRY_MAX_S = 10.0
+# Slices written at once: enough to publish 10,000 devices in a few round trips, few enough for any API server.
+CONCURRENT_WRITES = 16
 
 
 class SlicePublisher:
     def __init__(
-        self, api: client.ApiClient, inventory: Inventory, node: str, owner: dict[str, Any] | None, metrics: Metrics,
-        registered: asyncio.Event | None = None,
+        self, kube: Kube, inventory: Inventory, node: str, metrics: Metrics, registered: asyncio.Event | None = None,
     ) -> None:
-        self._registered = registered
-        self._custom = client.CustomObjectsApi(api)
+        self._kube = kube
         self._metrics = metrics
         self._inventory = inventory
         self.node = node
-        self._owner = owner
+        self._registered = registered
         self._dirty = asyncio.Event()
+        # The pool as the current snapshot has it (computed once per change), and as last published.
+        self._wanted: PoolContent | None = None
         self._content: PoolContent | None = None
         self.generation = 0
         self._written: dict[str, str] = {}
         # Slices being written now: their watch events arrive before the write returns its resourceVersion.
         self._in_flight: set[str] = set()
-        self._content_for: tuple[int, object] | None = None
+        self._owner: OwnerReference | None = None
+        self._owner_known = False
         self.published = asyncio.Event()
+        self.last_error: str | None = None
 
     @property
     def driver(self) -> str:
@@ -55,115 +57,120 @@ class SlicePublisher:
     def _selector(self) -> str:
         return f"spec.nodeName={self.node},spec.driver={self.driver}"
 
-    async def run(self) -> None:
+    async def wait_registered(self) -> None:
         if self._registered is not None and not self._registered.is_set():
             log.info("waiting for the kubelet to register the driver before publishing ResourceSlices")
             await self._registered.wait()
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._follow_inventory(), name="slices-inventory")
-            group.create_task(self._watch(), name="slices-watch")
-            group.create_task(self._reconcile_loop(), name="slices-reconcile")
 
-    async def _follow_inventory(self) -> None:
+    async def follow_inventory(self) -> None:
+        """Duty: every change of the inventory makes the pool's content anew and asks for a reconcile."""
         while True:
-            seen = self._inventory.version
+            snapshot = self._inventory.snapshot
+            self._wanted = pool_content(snapshot, self.node)
             self._dirty.set()
-            await self._inventory.wait_for_change(seen)
+            await self._inventory.wait_for_change(snapshot.version)
 
-    async def _reconcile_loop(self) -> None:
-        delay = 0.2
+    async def reconcile_loop(self) -> None:
+        """Duty: reconcile whenever asked, retrying with backoff until the pool is published."""
+        await self.wait_registered()
+        backoff = Backoff(0.2, RETRY_MAX_S)
         while True:
             await self._dirty.wait()
             self._dirty.clear()
             try:
                 await self.reconcile()
-                delay = 0.2
-            except (TimeoutError, ApiException, OSError) as exc:
-                log.warning("publishing ResourceSlices failed (%s); retrying in %.1fs", _reason(exc), delay)
+            except ApiError as exc:
+                delay = backoff.next()
+                self.last_error = str(exc)
+                log.warning("publishing ResourceSlices failed (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
                 self._dirty.set()
+                continue
+            self.last_error = None
+            backoff.reset()
+
+    async def _owner_reference(self) -> OwnerReference | None:
+        """The Node as the slices' owner, so that they go when the node does; None if the Node cannot be read."""
+        if not self._owner_known:
+            try:
+                uid = await self._kube.node_uid(self.node)
+            except ApiError as exc:
+                if exc.status is None or exc.status >= 500:
+                    raise
+                log.warning("cannot read Node %s (%s); publishing ResourceSlices without an owner", self.node, exc)
+            else:
+                self._owner = OwnerReference(api_version="v1", kind="Node", name=self.node, uid=uid, controller=True)
+            self._owner_known = True
+        return self._owner
 
     async def reconcile(self) -> None:
-        listing = await self._custom.list_cluster_custom_object(
-            RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, field_selector=self._selector()
-        )
-        existing = {item["metadata"]["name"]: item for item in listing.get("items", [])}
-        content = self._pool_content()
+        owner = await self._owner_reference()
+        existing = {item.metadata.name: item for item in await self._kube.list_slices(self._selector())}
+        content = self._wanted or pool_content(self._inventory.snapshot, self.node)
         if content != self._content:
-            known = [item["spec"]["pool"].get("generation", 0) for item in existing.values()]
+            known = [item.spec.pool.generation for item in existing.values()]
             # Higher than anything published before, by this process or an earlier one.
             self.generation = max([self.generation, *known]) + 1
             self._content = content
             self._written.clear()
-        changed = 0
-        for body in resource_slices(content, self.node, self.driver, self.generation, self._owner):
+        writes = []
+        for body in resource_slices(content, self.node, self.driver, self.generation, owner):
             name = body["metadata"]["name"]
             current = existing.pop(name, None)
-            if current is not None and self._written.get(name) == current["metadata"]["resourceVersion"]:
+            if current is not None and self._written.get(name) == current.metadata.resource_version:
                 continue
-            self._in_flight.add(name)
-            try:
-                if current is None:
-                    written = await self._custom.create_cluster_custom_object(
-                        RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, body)
-                else:
-                    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-                    written = await self._custom.replace_cluster_custom_object(
-                        RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, name, body)
-            finally:
-                self._in_flight.discard(name)
-            self._written[name] = written["metadata"]["resourceVersion"]
-            changed += 1
+            if current is not None:
+                body["metadata"]["resourceVersion"] = current.metadata.resource_version
+            writes.append((name, body, current is None))
+        limit = asyncio.Semaphore(CONCURRENT_WRITES)
+
+        async def write(name: str, body: dict[str, Any], create: bool) -> None:
+            async with limit:
+                self._in_flight.add(name)
+                try:
+                    if create:
+                        version = await self._kube.create_slice(body)
+                    else:
+                        version = await self._kube.replace_slice(name, body)
+                finally:
+                    self._in_flight.discard(name)
+                self._written[name] = version
+
+        results = await asyncio.gather(*(write(*w) for w in writes), return_exceptions=True)
         for name in existing:
-            with contextlib.suppress(ApiException):
-                await self._custom.delete_cluster_custom_object(RESOURCE_GROUP, RESOURCE_VERSION, PLURAL, name)
+            await self._kube.delete_slice(name)
             self._written.pop(name, None)
-            changed += 1
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, ApiError):
+                raise failure
+        if failures:
+            raise failures[0]
+        changed = len(writes) + len(existing)
         if changed:
             self._metrics.slice_publishes.inc()
             log.info("published pool %s generation %d: %d slice(s), %d written", self.node, self.generation,
                      len(content.specs), changed)
         self.published.set()
 
-    def _pool_content(self) -> PoolContent:
-        """The pool as the inventory has it now, computed once per inventory version."""
-        version = self._inventory.version
-        if self._content_for is None or self._content_for[0] != version:
-            content = pool_content(self._inventory.gpus, self._inventory.config.dra, self.node)
-            self._content_for = (version, content)
-        cached = self._content_for[1]
-        assert isinstance(cached, PoolContent)
-        return cached
-
-    async def _watch(self) -> None:
-        delay = 0.2
+    async def watch(self) -> None:
+        """Duty: notice slices deleted or changed by others, and ask for a reconcile."""
+        await self.wait_registered()
+        backoff = Backoff(0.2, RETRY_MAX_S)
         while True:
             try:
-                async with watch.Watch() as stream:
-                    async for event in stream.stream(
-                        self._custom.list_cluster_custom_object, RESOURCE_GROUP, RESOURCE_VERSION, PLURAL,
-                        field_selector=self._selector(), timeout_seconds=WATCH_TIMEOUT_S,
-                    ):
-                        delay = 0.2
-                        name = event["object"].get("metadata", {}).get("name")
-                        rv = event["object"].get("metadata", {}).get("resourceVersion")
-                        if event["type"] != "DELETED" and name in self._in_flight:
-                            continue
-                        if event["type"] == "DELETED" or self._written.get(name) != rv:
-                            # Only a slice the pool still needs is a loss; a surplus one this driver deleted is not.
-                            if event["type"] == "DELETED" and name in self._written:
-                                log.warning("ResourceSlice %s was deleted; publishing it again", name)
-                            self._dirty.set()
-            except (TimeoutError, ApiException, OSError) as exc:
-                log.warning("watching ResourceSlices failed (%s); watching again in %.1fs", _reason(exc), delay)
+                async for kind, name, version in self._kube.watch_slices(self._selector()):
+                    backoff.reset()
+                    if kind != "DELETED" and name in self._in_flight:
+                        continue
+                    if kind == "DELETED" or self._written.get(name) != version:
+                        # Only a slice the pool still needs is a loss; a surplus one this driver deleted is not.
+                        if kind == "DELETED" and name in self._written:
+                            log.warning("ResourceSlice %s was deleted; publishing it again", name)
+                        self._dirty.set()
+            except ApiError as exc:
+                delay = backoff.next()
+                log.warning("watching ResourceSlices failed (%s); watching again in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
             # A watch that ended may have missed events: compare everything once more.
             self._dirty.set()
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        return f"{exc.status} {exc.reason}"
-    return str(exc) or type(exc).__name__

@@ -1,11 +1,19 @@
-"""The ``gpuppetti dra`` process: the DRA kubelet plugin, the ResourceSlice publisher and the CDI specs."""
+"""The ``gpuppetti dra`` process: its duties, started by the runtime and stopped on one path.
+
+Duties: the HTTP endpoint (first), the kubelet services (the DRA service, then the registration socket; stopped
+the other way round), the CDI directory's keeper, the slice publisher, the health monitor, and reloads. Nothing
+waits for the API server: the driver registers with the kubelet and serves Unprepare whatever the API does, and
+the publisher converges once the API is back.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,17 +21,21 @@ import grpc
 
 from gpuppetti import cdi
 from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from gpuppetti.daemon import Sources, StartupError, reload, serve_until_signalled, start_inventory
-from gpuppetti.dra.checkpoint import Checkpoint
+from gpuppetti.backoff import Backoff
+from gpuppetti.daemon import Sources, reload, start_inventory
+from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
 from gpuppetti.dra.paths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.dra.plugin import DraService, Registration, add_services
 from gpuppetti.dra.publisher import SlicePublisher
 from gpuppetti.dra.state import DraState
+from gpuppetti.fsutil import make_directory
 from gpuppetti.grpcutil import new_server
 from gpuppetti.httpserver import HttpServer
-from gpuppetti.kube import ApiClaims, api_client, node_owner
+from gpuppetti.instancelock import InstanceLock
+from gpuppetti.kube import Kube, api_client
 from gpuppetti.metrics import Metrics
 from gpuppetti.report import gpu_records
+from gpuppetti.runtime import Runtime, StartupError
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -42,111 +54,163 @@ class DraOptions:
     http_address: str | None = None
 
 
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+class _Socket:
+    """A gRPC server on a Unix socket of ours: removed at stop only while it is still the one we bound."""
+
+    def __init__(self, server: grpc.aio.Server, path: Path) -> None:
+        self.server = server
+        self.path = path
+        self._inode: int | None = None
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            st = self.path.lstat()
+            if not stat.S_ISSOCK(st.st_mode):
+                raise StartupError(f"{self.path} exists and is not a socket; remove it so the driver can serve there")
+            # Left by an earlier instance: we hold the directory's lock, so it is nobody's now.
+            self.path.unlink()
+        try:
+            self.server.add_insecure_port(f"unix:{self.path}")
+        except RuntimeError as exc:
+            raise StartupError(f"cannot create socket {self.path}: {exc}") from exc
+        await self.server.start()
+        os.chmod(self.path, 0o600, follow_symlinks=False)
+        self._inode = self.path.lstat().st_ino
+
+    async def stop(self) -> None:
+        await self.server.stop(STOP_GRACE_S)
+        with contextlib.suppress(OSError):
+            if self.path.lstat().st_ino == self._inode:
+                self.path.unlink()
 
 
-async def _serve_socket(server: grpc.aio.Server, path: Path) -> None:
-    _remove(path)
+async def _kubelet_services(dra: _Socket, registration: _Socket, driver: str) -> None:
+    """Duty: serve the DRA service, then register; at stop unregister first, so that the kubelet stops sending
+    work to a service that is going away."""
+    await dra.start()
     try:
-        server.add_insecure_port(f"unix:{path}")
-    except RuntimeError as exc:
-        raise StartupError(f"cannot create socket {path}: {exc}") from exc
-    await server.start()
-    os.chmod(path, 0o600)
+        # The kubelet may call the DRA service as soon as it sees the registration socket: serve it first.
+        await registration.start()
+        log.info("DRA driver %s serving on %s, registration on %s", driver, dra.path, registration.path)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await registration.stop()
+    finally:
+        await dra.stop()
 
 
 async def _keep_cdi_specs(state: DraState) -> None:
-    """Re-create the specs of prepared claims when something deletes them (or the whole directory)."""
+    """Duty: re-create the specs of prepared claims when something deletes them (or the whole directory), and keep
+    trying while some cannot be written (a full directory)."""
+    backoff = Backoff(0.5, 30.0)
     while True:
-        state.cdi_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            make_directory(state.cdi_dir)
+        except OSError as exc:
+            log.error("cannot create the CDI directory %s: %s", state.cdi_dir, exc.strerror or exc)
+            await backoff.wait()
+            continue
         async for event in watch_directory(state.cdi_dir):
             lost = event.change is Change.DELETED and event.name.startswith(cdi.spec_prefix(state.kind))
-            if lost or event.change is Change.RESCAN:
+            if lost or event.change in (Change.RESCAN, Change.READY) or state.missing_specs:
                 # Only specs of claims still prepared come back; the driver's own removals are not losses.
-                restored = state.restore()
-                if restored:
+                restored = await state.restore()
+                if restored and event.change is not Change.READY:
                     log.warning("CDI specs of prepared claims were removed from %s; re-created %d",
                                 state.cdi_dir, restored)
-        await asyncio.sleep(0.5)
-        restored = state.restore()
-        log.warning("CDI directory %s was removed; re-created it with %d spec(s)", state.cdi_dir, restored)
+            if state.missing_specs:
+                # The directory refuses them (ENOSPC): try again after a while, not only on the next event.
+                break
+        else:
+            log.warning("CDI directory %s was removed; re-creating it and its specs", state.cdi_dir)
+        if state.missing_specs:
+            await backoff.wait()
+        else:
+            backoff.reset()
 
 
 async def run_dra(sources: Sources, options: DraOptions) -> None:
+    await Runtime().run(lambda runtime: start_dra(runtime, sources, options))
+
+
+async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
     if not options.node_name:
         raise StartupError("the node name is required: pass --node-name or set NODE_NAME "
-                              "(in a DaemonSet, from the downward API: fieldRef spec.nodeName)")
+                           "(in a DaemonSet, from the downward API: fieldRef spec.nodeName)")
+    metrics = Metrics()
+    http = HttpServer(metrics)
+    if options.http_address:
+        await http.start(options.http_address)
+        runtime.spawn("http", http.serve())
+
     inventory, monitor, _ = await start_inventory(sources)
+    metrics.watch(inventory)
     driver = inventory.config.dra.driver_name
     plugin_dir = options.plugins_dir / driver
     for directory in (plugin_dir, options.registry_dir, options.cdi_dir):
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            make_directory(directory)
         except OSError as exc:
-            raise StartupError(f"cannot create {directory}: {exc.strerror}") from exc
+            raise StartupError(f"cannot create {directory}: {exc.strerror or exc}") from exc
+    lock = InstanceLock(plugin_dir, "DRA driver")
+    http.readiness = lambda: lock.waiting_for or "taking the driver's lock"
+    await lock.acquire()
 
     try:
         api = await api_client(options.kubeconfig)
     except Exception as exc:
         where = options.kubeconfig or "the in-cluster service account"
         raise StartupError(f"cannot configure the Kubernetes API client from {where}: {exc}") from exc
+    kube = Kube(api)
 
     checkpoint = Checkpoint(plugin_dir / CHECKPOINT_FILE)
-    checkpoint.load()
-    state = DraState(inventory, options.node_name, options.cdi_dir, checkpoint, ApiClaims(api))
-    restored = state.restore()
+    try:
+        checkpoint.load()
+    except UnusableCheckpoint as exc:
+        raise StartupError(str(exc)) from exc
+    state = DraState(inventory, options.node_name, options.cdi_dir, checkpoint, kube)
+    restored = await state.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
-    metrics = Metrics()
-    metrics.watch(inventory)
+    metrics.watch_claims(state)
     service = DraService(state, metrics)
 
-    dra_socket = plugin_dir / "dra.sock"
-    registration_socket = options.registry_dir / f"{driver}-reg.sock"
     dra_server = new_server()
     add_services(dra_server, service, inventory, options.node_name)
+    dra_socket = plugin_dir / "dra.sock"
     registration = Registration(driver, str(dra_socket.absolute()))
     registration_server = new_server()
     reg_grpc.add_RegistrationServicer_to_server(registration, registration_server)
-
-    publisher = SlicePublisher(api, inventory, options.node_name, await node_owner(api, options.node_name), metrics,
-                               registration.confirmed)
+    publisher = SlicePublisher(kube, inventory, options.node_name, metrics, registration.confirmed)
 
     def waiting_for() -> str | None:
         if not registration.registered:
             return f"the kubelet has not confirmed the registration ({registration.last_error or 'no answer yet'})"
         if not publisher.published.is_set():
-            return "the ResourceSlices are not published yet"
+            why = f": {publisher.last_error}" if publisher.last_error else ""
+            return f"the ResourceSlices are not published yet{why}"
         return None
 
-    http = HttpServer(metrics, waiting_for, lambda: gpu_records(inventory))
+    http.readiness = waiting_for
+    http.records = lambda: gpu_records(inventory.snapshot)
 
-    async def serve(stop: asyncio.Event) -> None:
-        # The kubelet may call the DRA service as soon as it sees the registration socket: serve it first.
-        await _serve_socket(dra_server, dra_socket)
-        await _serve_socket(registration_server, registration_socket)
-        log.info("DRA driver %s serving on %s, registration on %s", driver, dra_socket, registration_socket)
-        if options.http_address:
-            await http.start(options.http_address)
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(publisher.run(), name="resource-slices"),
-                    group.create_task(monitor.run(), name="health-monitor"),
-                    group.create_task(_keep_cdi_specs(state), name="cdi-specs"),
-                ]
-                await stop.wait()
-                for task in tasks:
-                    task.cancel()
-        finally:
-            # Unregister first, so that the kubelet stops sending work to a service that is going away.
-            await registration_server.stop(STOP_GRACE_S)
-            _remove(registration_socket)
-            await dra_server.stop(STOP_GRACE_S)
-            _remove(dra_socket)
-            await http.stop()
-            await api.close()
+    runtime.spawn("kubelet-services", _kubelet_services(
+        _Socket(dra_server, dra_socket), _Socket(registration_server, options.registry_dir / f"{driver}-reg.sock"),
+        driver))
+    runtime.spawn("cdi-specs", _keep_cdi_specs(state))
+    runtime.spawn("slices-inventory", publisher.follow_inventory())
+    runtime.spawn("slices-reconcile", publisher.reconcile_loop())
+    runtime.spawn("slices-watch", publisher.watch())
+    for name, duty in monitor.duties():
+        runtime.spawn(name, duty)
+    runtime.spawn("config-reload", runtime.reloads(lambda: reload(sources, inventory, monitor)))
+    runtime.spawn("api-client", _close_at_stop(kube))
+    gc.freeze()
 
-    await serve_until_signalled(serve, lambda: reload(sources, inventory, monitor))
+
+async def _close_at_stop(kube: Kube) -> None:
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await kube.close()

@@ -1,25 +1,44 @@
-"""ResourceSlices (resource.k8s.io/v1) for one node's pool, as plain API objects."""
+"""ResourceSlices (resource.k8s.io/v1) for one node's pool, serialised from the snapshot's pool and GPUs.
+
+What a device advertises (its capacity, its counters) is the sharing layer's size of it; this module only says
+it in the API's words, with the attributes the GPU has and a taint where it is unhealthy.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from gpuppetti import __version__
-from gpuppetti.config import DraSection
-from gpuppetti.dra.devices import DraDevice, counter_set_name, pool_devices
+from gpuppetti.inventory import Snapshot
+from gpuppetti.kubeobjects import (
+    Attribute,
+    Counter,
+    CounterConsumption,
+    CounterSet,
+    Device,
+    DeviceCapacity,
+    ObjectMeta,
+    OwnerReference,
+    Pool,
+    RequestPolicy,
+    ResourceSlice,
+    SliceSpec,
+    Taint,
+    ValidRange,
+)
 from gpuppetti.model import Gpu, Health
 from gpuppetti.quantity import format_quantity
+from gpuppetti.sharing.pool import Capacity, PoolDevice
 
-API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES = 128
 # With taints or counter consumption, the API allows 64 devices per slice (Kubernetes 1.35).
 MAX_DEVICES_ADVANCED = 64
 MAX_COUNTER_SETS = 8
 MAX_STRING = 64
 UNHEALTHY_TAINT = "unhealthy"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "gpuppetti"}
 
 
 def _semver(version: str) -> str:
@@ -28,81 +47,54 @@ def _semver(version: str) -> str:
     return ".".join(p if p.isdigit() else "0" for p in parts)
 
 
-def _attributes(gpu: Gpu) -> dict[str, dict[str, Any]]:
-    attributes: dict[str, dict[str, Any]] = {
-        "vendor": {"string": gpu.vendor.value},
-        "model": {"string": gpu.model[:MAX_STRING]},
-        "uuid": {"string": (gpu.uuid or gpu.id)[:MAX_STRING]},
-        "index": {"int": gpu.index},
-        "backend": {"string": gpu.backend},
-        "driverVersion": {"version": _semver(__version__)},
+def _attributes(gpu: Gpu) -> dict[str, Attribute]:
+    attributes = {
+        "vendor": Attribute(string=gpu.vendor.value),
+        "model": Attribute(string=gpu.model[:MAX_STRING]),
+        "uuid": Attribute(string=(gpu.uuid or gpu.id)[:MAX_STRING]),
+        "index": Attribute(integer=gpu.index),
+        "backend": Attribute(string=gpu.backend),
+        "driverVersion": Attribute(version=_semver(__version__)),
     }
     if gpu.cores is not None:
-        attributes["cores"] = {"int": gpu.cores}
+        attributes["cores"] = Attribute(integer=gpu.cores)
     if gpu.pci_address:
-        attributes["resource.kubernetes.io/pciBusID"] = {"string": gpu.pci_address}
+        attributes["resource.kubernetes.io/pciBusID"] = Attribute(string=gpu.pci_address)
     return attributes
-
-
-def _share(gpu: Gpu, fraction: Fraction) -> dict[str, Fraction]:
-    """What ``fraction`` of ``gpu`` amounts to, per capacity name. ``share`` exists even when nothing else is known."""
-    amounts = {"share": fraction}
-    if gpu.cores is not None:
-        amounts["cores"] = gpu.cores * fraction
-    if gpu.memory_bytes is not None:
-        # Whole bytes: a partition never claims more memory than it has.
-        amounts["memory"] = Fraction(int(gpu.memory_bytes * fraction))
-    return amounts
 
 
 def _q(name: str, value: Fraction) -> str:
     return format_quantity(value, binary=name == "memory")
 
 
-def _capacity(amounts: Mapping[str, Fraction]) -> dict[str, dict[str, Any]]:
-    return {name: {"value": _q(name, value)} for name, value in amounts.items()}
+def _capacity(capacity: Capacity) -> DeviceCapacity:
+    if capacity.default is None or capacity.step is None:
+        return DeviceCapacity(value=_q(capacity.name, capacity.value))
+    step = _q(capacity.name, capacity.step)
+    policy = RequestPolicy(default=_q(capacity.name, capacity.default),
+                           valid_range=ValidRange(min=step, max=_q(capacity.name, capacity.value), step=step))
+    return DeviceCapacity(value=_q(capacity.name, capacity.value), request_policy=policy)
 
 
-def _consumable_capacity(gpu: Gpu, shares: int) -> dict[str, dict[str, Any]]:
-    """Each capacity with a request policy. A claim that names none takes 1/shares of each; a claim that names some
-    takes what it names, and of the others only the minimum: the scheduler charges a capacity's default to every
-    claim that leaves it out, so a default share of 1/shares would cap a GPU at ``shares`` claims however little
-    each asks for. ``share`` then keeps its 1/shares default only for a GPU whose cores and memory are unknown."""
-    whole = _share(gpu, Fraction(1))
-    default = _share(gpu, Fraction(1, shares))
-    measured = "cores" in whole or "memory" in whole
-    capacity: dict[str, dict[str, Any]] = {}
-    for name, total in whole.items():
-        if total <= 0:
-            continue
-        minimum = min({"share": Fraction(1, 1000), "cores": Fraction(1), "memory": Fraction(2**20)}[name], total)
-        wanted = minimum if name == "share" and measured else max(default[name], minimum)
-        policy: dict[str, Any] = {
-            "default": _q(name, wanted),
-            "validRange": {"min": _q(name, minimum), "max": _q(name, total), "step": _q(name, minimum)},
-        }
-        capacity[name] = {"value": _q(name, total), "requestPolicy": policy}
-    return capacity
+def _counters(amounts: dict[str, Fraction]) -> dict[str, Counter]:
+    return {name: Counter(value=_q(name, value)) for name, value in amounts.items()}
 
 
-def _device(device: DraDevice, gpu: Gpu, section: DraSection, driver: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"name": device.name, "attributes": _attributes(gpu)}
-    if section.slicing == "consumable":
-        body["capacity"] = _consumable_capacity(gpu, section.shares)
-        body["allowMultipleAllocations"] = True
-    else:
-        body["capacity"] = _capacity(_share(gpu, device.fraction))
-    if section.slicing == "partitions":
-        body["attributes"]["partitions"] = {"int": device.partitions}
+def _device(device: PoolDevice, gpu: Gpu, driver: str) -> Device:
+    attributes = _attributes(gpu)
+    consumes = None
+    if device.counter_set is not None:
+        attributes["partitions"] = Attribute(integer=device.partitions)
         if device.partitions > 1:
-            body["attributes"]["partition"] = {"int": device.part}
-        body["consumesCounters"] = [{
-            "counterSet": counter_set_name(gpu),
-            "counters": _capacity(_share(gpu, device.fraction)),
-        }]
+            attributes["partition"] = Attribute(integer=device.part)
+        consumes = [CounterConsumption(counter_set=device.counter_set, counters=_counters(device.size.amounts()))]
+    taints = None
     if gpu.health is not Health.HEALTHY:
-        body["taints"] = [{"key": f"{driver}/{UNHEALTHY_TAINT}", "value": "true", "effect": "NoSchedule"}]
-    return body
+        taints = [Taint(key=f"{driver}/{UNHEALTHY_TAINT}", value="true", effect="NoSchedule")]
+    return Device(
+        name=device.name, attributes=attributes, capacity={c.name: _capacity(c) for c in device.capacity},
+        allow_multiple_allocations=True if device.consumable else None, consumes_counters=consumes, taints=taints,
+    )
 
 
 @dataclass(frozen=True)
@@ -112,24 +104,19 @@ class PoolContent:
     specs: tuple[dict[str, Any], ...]
 
 
-def pool_content(gpus: Mapping[str, Gpu], section: DraSection, node: str) -> PoolContent:
-    devices = pool_devices(gpus, section)
-    driver = section.driver_name
-    bodies = [_device(device, gpus[device.gpu_id], section, driver) for device in devices.values()]
-    advanced = section.slicing == "partitions" or any("taints" in body for body in bodies)
+def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
+    driver = snapshot.config.dra.driver_name
+    pool = snapshot.pool
+    devices = [_device(device, snapshot.gpus[device.gpu_id], driver).body() for device in pool.devices.values()]
+    advanced = bool(pool.counter_sets) or any("taints" in body for body in devices)
     per_slice = MAX_DEVICES_ADVANCED if advanced else MAX_DEVICES
     specs: list[dict[str, Any]] = []
-    if section.slicing == "partitions":
-        # Counter sets live in slices of their own (required from Kubernetes 1.35, allowed in 1.34).
-        counter_sets = [
-            {"name": counter_set_name(gpu),
-             "counters": _capacity(_share(gpu, Fraction(1)))}
-            for gpu in gpus.values()
-        ]
-        for start in range(0, len(counter_sets), MAX_COUNTER_SETS):
-            specs.append({"sharedCounters": counter_sets[start:start + MAX_COUNTER_SETS]})
-    for start in range(0, len(bodies), per_slice):
-        specs.append({"devices": bodies[start:start + per_slice]})
+    # Counter sets live in slices of their own (required from Kubernetes 1.35, allowed in 1.34).
+    counter_sets = [CounterSet(name=c.name, counters=_counters(dict(c.counters))).body() for c in pool.counter_sets]
+    for start in range(0, len(counter_sets), MAX_COUNTER_SETS):
+        specs.append({"sharedCounters": counter_sets[start:start + MAX_COUNTER_SETS]})
+    for start in range(0, len(devices), per_slice):
+        specs.append({"devices": devices[start:start + per_slice]})
     if not specs:
         # An empty pool is still published, so that consumers see the node has none.
         specs.append({"devices": []})
@@ -143,23 +130,16 @@ def slice_name(node: str, driver: str, number: int) -> str:
 
 
 def resource_slices(
-    content: PoolContent, node: str, driver: str, generation: int, owner: Mapping[str, Any] | None
+    content: PoolContent, node: str, driver: str, generation: int, owner: OwnerReference | None
 ) -> list[dict[str, Any]]:
+    """The slices to write, as API bodies."""
     slices = []
     for number, spec in enumerate(content.specs):
-        metadata: dict[str, Any] = {
-            "name": slice_name(node, driver, number),
-            "labels": {"app.kubernetes.io/managed-by": "gpuppetti"},
-        }
-        if owner is not None:
-            metadata["ownerReferences"] = [dict(owner)]
-        slices.append({
-            "apiVersion": API_VERSION,
-            "kind": "ResourceSlice",
-            "metadata": metadata,
-            "spec": {
-                **spec,
-                "pool": {"name": node, "generation": generation, "resourceSliceCount": len(content.specs)},
-            },
-        })
+        metadata = ObjectMeta(name=slice_name(node, driver, number), labels=dict(MANAGED_BY),
+                              owner_references=[owner] if owner is not None else None)
+        pool = Pool(name=node, generation=generation, resource_slice_count=len(content.specs))
+        body = ResourceSlice(metadata=metadata, spec=SliceSpec(driver=driver, pool=pool)).body()
+        # The devices and counters were made into API bodies once per content; they are shared, not copied.
+        body["spec"] = {**spec, "pool": body["spec"]["pool"]}
+        slices.append(body)
     return slices

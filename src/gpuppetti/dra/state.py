@@ -1,37 +1,47 @@
-"""Preparing and unpreparing claims: the allocation read from the API, container edits, CDI specs, checkpoint."""
+"""Preparing and unpreparing claims: read the claim, look up its devices in the snapshot, build the container
+edits, write the CDI spec, and checkpoint.
+
+The promises, kept after any fault: the kubelet is told a claim is prepared only once the checkpoint says so, and
+unprepared only once the checkpoint no longer holds it; what the kubelet was last told, the checkpoint and the CDI
+directory agree. No lock is held across the network: claims are read from the API before the state lock is
+taken, so an Unprepare (which reads nothing) answers at once however slow the API is. Blocking writes (the
+checkpoint with fsync, the CDI specs) run in a thread.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
 
 from gpuppetti import cdi
-from gpuppetti.config import DraSection
 from gpuppetti.dra import opaque
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice
-from gpuppetti.dra.devices import DraDevice, pool_devices
-from gpuppetti.edits import container_edits
-from gpuppetti.inventory import Inventory
-from gpuppetti.model import ContainerEdits, Gpu, Health, Mount, Unit, Vendor
-from gpuppetti.quantity import format_quantity, parse_quantity
+from gpuppetti.fsutil import remove_file
+from gpuppetti.inventory import Inventory, Snapshot
+from gpuppetti.kube import ApiError, NotFound
+from gpuppetti.kubeobjects import ResourceClaim
+from gpuppetti.model import ContainerEdits, Health
+from gpuppetti.sharing.edits import MpsSettings, claim_edits
+from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 
 log = logging.getLogger(__name__)
 
+# Kubernetes object UIDs are RFC 4122 UUIDs. A claim UID becomes part of a file name: nothing else may pass.
+UID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
 
 class ClaimReader(Protocol):
-    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
-        """The ResourceClaim object; raises ClaimNotFound when there is none."""
+    async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
+        """The ResourceClaim; raises NotFound when there is none, ApiError when the API fails."""
         ...
-
-
-class ClaimNotFound(Exception):
-    pass
 
 
 class PrepareError(Exception):
@@ -44,6 +54,20 @@ class ClaimRef:
     uid: str
     name: str
 
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.uid})"
+
+
+def claim_problem(claim: ClaimRef) -> str | None:
+    """Why the kubelet's reference cannot be a real claim; None when it can."""
+    if not UID.match(claim.uid):
+        return f"claim uid {claim.uid[:80]!r} is not a Kubernetes UID"
+    if not DNS_LABEL.match(claim.namespace):
+        return f"claim namespace {claim.namespace[:80]!r} is not a valid namespace name"
+    if not DNS_SUBDOMAIN.match(claim.name):
+        return f"claim name {claim.name[:80]!r} is not a valid object name"
+    return None
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -52,92 +76,87 @@ class _Plan:
     filename: str
 
 
-@dataclass(frozen=True)
-class _Share:
-    device: DraDevice
-    gpu: Gpu
-    cores: Fraction | None
-    memory: int | None
-    share_id: str | None
+def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: str, kind: str) -> _Plan:
+    """Everything Prepare will do for ``claim``, computed before anything is written. Raises PrepareError."""
+    driver = snapshot.config.dra.driver_name
+    where = f"ResourceClaim {claim.namespace}/{claim.name}"
+    if obj.metadata.uid != claim.uid:
+        raise PrepareError(f"{where} was replaced: its uid is {obj.metadata.uid}, the kubelet asked for {claim.uid}")
+    allocation = obj.status.allocation
+    if allocation is None:
+        raise PrepareError(f"{where} is not allocated")
+    results = [r for r in allocation.devices.results if r.driver == driver]
+    if not results:
+        raise PrepareError(f"{where} has no devices of driver {driver}")
+
+    by_request: dict[str, list[Share]] = {}
+    problems: list[str] = []
+    for result in results:
+        if result.pool != node:
+            problems.append(f"device {result.device} is in pool {result.pool!r}, not this node's {node!r}")
+            continue
+        device = snapshot.pool.devices.get(result.device)
+        if device is None:
+            problems.append(f"device {result.device} is not published by this node")
+            continue
+        gpu = snapshot.gpus[device.gpu_id]
+        if gpu.health is not Health.HEALTHY:
+            problems.append(f"device {result.device} ({gpu.id}) is {gpu.health}")
+            continue
+        try:
+            share = claim_share(device, gpu, result.consumed_capacity, result.share_id)
+        except ShareError as exc:
+            problems.append(str(exc))
+            continue
+        by_request.setdefault(result.request.split("/", 1)[0], []).append(share)
+    if problems:
+        raise PrepareError("; ".join(problems))
+
+    cdi_devices: list[tuple[str, ContainerEdits]] = []
+    prepared: list[PreparedDevice] = []
+    for request, shares in by_request.items():
+        try:
+            config = opaque.config_for_request(allocation.devices.config, driver, request)
+        except opaque.OpaqueConfigError as exc:
+            raise PrepareError(str(exc)) from exc
+        strategy = config.sharing.strategy
+        for share in shares:
+            if (why := cannot_honour(strategy, share)) is not None:
+                raise PrepareError(f"request {request}: sharing strategy {strategy} cannot be honoured on device "
+                                   f"{share.device.name} ({share.gpu.id}): {why}")
+        mps = config.sharing.mps or opaque.MpsConfig()
+        settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
+        cdi_name = f"claim-{claim.uid}-{request}"
+        cdi_devices.append((cdi_name, claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)))
+        for position, share in enumerate(shares):
+            # One CDI device per request carries the edits of all its GPUs, so a container that gets the
+            # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
+            ids = [cdi.qualified_name(kind, cdi_name)] if position == 0 else []
+            prepared.append(PreparedDevice([request], node, share.device.name, ids, share.share_id))
+    return _Plan(prepared, cdi.build_spec(kind, cdi_devices), cdi.spec_filename(kind, claim.uid))
 
 
-def _share(device: DraDevice, gpu: Gpu, result: Mapping[str, Any]) -> _Share:
-    consumed = result.get("consumedCapacity") or {}
-    cores: Fraction | None = None
-    memory: int | None = None
-    if consumed:
-        cores = parse_quantity(str(consumed["cores"])) if "cores" in consumed else None
-        memory = int(parse_quantity(str(consumed["memory"]))) if "memory" in consumed else None
-    else:
-        cores = gpu.cores * device.fraction if gpu.cores is not None else None
-        memory = int(gpu.memory_bytes * device.fraction) if gpu.memory_bytes is not None else None
-    return _Share(device, gpu, cores, memory, result.get("shareID"))
+def _write_specs(directory: Path, specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    """Write each claim's spec; returns the error of each that failed. Runs in a thread."""
+    failed: dict[str, str] = {}
+    for uid, (filename, spec) in specs.items():
+        try:
+            cdi.write_spec(directory, filename, spec)
+        except OSError as exc:
+            failed[uid] = f"writing the CDI spec into {directory} failed: {exc.strerror or exc}"
+    return failed
 
 
-def _sharing_env(shares: list[_Share], config: opaque.GpuConfig) -> str:
-    if any(share.share_id for share in shares):
-        return "consumable"
-    if any(share.device.partitions > 1 for share in shares):
-        return "partition"
-    return {"TimeSlicing": "time-slicing", "Exclusive": "none", "MPS": "mps"}[config.sharing.strategy]
-
-
-def request_edits(
-    shares: list[_Share], config: opaque.GpuConfig, gpus: Mapping[str, Gpu], claim: ClaimRef
-) -> ContainerEdits:
-    """The device plugin's edits for these GPUs, plus the share each one gives (cooperative limits)."""
-    units = [Unit(id=s.device.name, gpu_id=s.gpu.id, resource="dra", replicas=s.device.partitions,
-                  replica=s.device.part if s.device.partitions > 1 else None) for s in shares]
-    edits = container_edits(units, gpus)
-    edits.env["GPUPPETTI_SHARING"] = _sharing_env(shares, config)
-    edits.env["GPUPPETTI_CLAIM"] = claim.uid
-    if any(s.cores is not None for s in shares):
-        edits.env["GPUPPETTI_CORES"] = ",".join(format_quantity(s.cores) if s.cores is not None else ""
-                                                 for s in shares)
-    if any(s.memory is not None for s in shares):
-        edits.env["GPUPPETTI_MEMORY"] = ",".join(str(s.memory) if s.memory is not None else "" for s in shares)
-    share_ids = [s.share_id for s in shares if s.share_id]
-    if share_ids:
-        edits.env["GPUPPETTI_SHARE_ID"] = ",".join(share_ids)
-    # Nothing in user space enforces these shares on every GPU; say so instead of implying isolation.
-    edits.env["GPUPPETTI_LIMITS"] = "cooperative"
-    nvidia = [s for s in shares if s.gpu.vendor is Vendor.NVIDIA and s.gpu.backend != "simulated"]
-    mps = config.sharing.mps or opaque.MpsConfig()
-    if config.sharing.strategy == "MPS" and nvidia:
-        percentage = mps.active_thread_percentage
-        if percentage is None and nvidia[0].cores is not None and nvidia[0].gpu.cores:
-            percentage = max(1, int(100 * nvidia[0].cores / nvidia[0].gpu.cores))
-        if percentage is not None:
-            edits.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percentage)
-        limits = []
-        for position, share in enumerate(nvidia):
-            limit = mps.pinned_device_memory_limit or share.memory
-            if limit:
-                limits.append(f"{position}={max(1, limit // 2**20)}M")
-        if limits:
-            edits.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(limits)
-        edits.env["CUDA_MPS_PIPE_DIRECTORY"] = mps.pipe_directory
-        edits.add_mount(Mount(container_path=mps.pipe_directory, host_path=mps.pipe_directory, read_only=False))
-    return edits
-
-
-def _cannot_honour(config: opaque.GpuConfig, share: _Share) -> str | None:
-    """Why ``config``'s strategy cannot be what ``share`` gets; None when it can. Running the pod anyway would
-    promise what nobody delivers."""
-    strategy = config.sharing.strategy
-    if strategy == "Exclusive" and share.share_id:
-        return "in consumable mode the device shares its capacity with other claims (dra.slicing: whole gives " \
-               "a claim the GPU to itself)"
-    if strategy == "Exclusive" and share.device.partitions > 1:
-        return "a partition shares its GPU with the other partitions (dra.slicing: whole gives a claim the GPU " \
-               "to itself)"
-    if strategy == "MPS" and share.gpu.vendor is not Vendor.NVIDIA:
-        return f"MPS is NVIDIA's Multi-Process Service, and this GPU is {share.gpu.vendor.value}"
-    return None
+def _remove_specs(directory: Path, filenames: Sequence[str]) -> None:
+    for filename in filenames:
+        try:
+            remove_file(directory / filename)
+        except OSError as exc:
+            log.error("cannot remove CDI spec %s: %s", directory / filename, exc.strerror or exc)
 
 
 class DraState:
-    """Prepare and unprepare, serialised: the kubelet may repeat either call at any time."""
+    """Prepare and unprepare; changes to the checkpoint are serialised, API reads are not."""
 
     def __init__(
         self, inventory: Inventory, node: str, cdi_dir: Path, checkpoint: Checkpoint, claims: ClaimReader,
@@ -150,26 +169,49 @@ class DraState:
         self._claims = claims
         self.kind = kind
         self._lock = asyncio.Lock()
-        self._devices_cache: dict[str, DraDevice] = {}
-        self._devices_for = -1
+        # Prepared claims whose CDI spec could not be written back (a full directory), and why.
+        self.missing_specs: dict[str, str] = {}
 
     @property
-    def section(self) -> DraSection:
-        return self._inventory.config.dra
+    def prepared(self) -> int:
+        return sum(1 for record in self.checkpoint.claims.values() if record.state == COMPLETED)
 
-    def restore(self) -> int:
-        """Re-create the missing CDI specs of completed claims: /var/run/cdi is tmpfs, and a reboot empties it.
+    # -- the CDI directory agrees with the checkpoint -------------------------------------------------------
 
-        Only claims the checkpoint still holds count: a spec the driver removed itself (Unprepare) is not missed.
-        """
-        restored = 0
-        for record in self.checkpoint.claims.values():
+    def _spec_files(self) -> set[str]:
+        prefix = cdi.spec_prefix(self.kind) + "_"
+        try:
+            return {entry.name for entry in self.cdi_dir.iterdir() if entry.name.startswith(prefix)}
+        except FileNotFoundError:
+            return set()
+
+    async def restore(self) -> int:
+        """Re-create the missing CDI specs of completed claims (/var/run/cdi is tmpfs, and a reboot empties it) and
+        remove specs the checkpoint does not hold as prepared. Returns how many were re-created; those that could
+        not be are in ``missing_specs`` until a later call succeeds."""
+        async with self._lock:
+            return await asyncio.to_thread(self._restore)
+
+    def _restore(self) -> int:
+        present = self._spec_files()
+        wanted: dict[str, tuple[str, dict[str, Any]]] = {}
+        for uid, record in self.checkpoint.claims.items():
             if record.state == COMPLETED and record.cdi_spec and record.cdi_file:
-                if (self.cdi_dir / record.cdi_file).exists():
-                    continue
-                cdi.write_spec(self.cdi_dir, record.cdi_file, record.cdi_spec)
-                restored += 1
-        return restored
+                if record.cdi_file not in present:
+                    wanted[uid] = (record.cdi_file, record.cdi_spec)
+                present.discard(record.cdi_file)
+        # Left over from a claim unprepared (or never completed) when the driver stopped: nobody's.
+        _remove_specs(self.cdi_dir, sorted(present))
+        failed = _write_specs(self.cdi_dir, wanted) if wanted else {}
+        for uid, why in failed.items():
+            if self.missing_specs.get(uid) != why:
+                log.error("cannot re-create the CDI spec of prepared claim %s: %s", uid, why)
+        for uid in self.missing_specs.keys() - failed.keys():
+            log.info("re-created the CDI spec of prepared claim %s", uid)
+        self.missing_specs = failed
+        return len(wanted) - len(failed)
+
+    # -- prepare ----------------------------------------------------------------------------------------------
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | PrepareError]:
         """Prepare every claim of one kubelet call; each gets its devices or its own error.
@@ -177,135 +219,137 @@ class DraState:
         The checkpoint is written twice per call, however many claims it holds: once with every new claim
         PrepareStarted (before any side effect), once with them PrepareCompleted (after their CDI specs).
         """
+        answers: dict[str, list[PreparedDevice] | PrepareError] = {}
+        valid: list[ClaimRef] = []
+        for claim in claims:
+            if (problem := claim_problem(claim)) is not None:
+                answers[claim.uid] = PrepareError(problem)
+            else:
+                valid.append(claim)
         async with self._lock:
-            answers: dict[str, list[PreparedDevice] | PrepareError] = {}
-            pending: list[ClaimRef] = []
-            for claim in claims:
-                record = self.checkpoint.claims.get(claim.uid)
-                if record is not None and record.state == COMPLETED:
-                    if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
-                        cdi.write_spec(self.cdi_dir, record.cdi_file, record.cdi_spec)
-                    answers[claim.uid] = record.devices
-                else:
-                    pending.append(claim)
-            began = time.perf_counter()
-            objects = await asyncio.gather(*(self._read(claim) for claim in pending), return_exceptions=True)
-            read = time.perf_counter()
-            planned: list[tuple[ClaimRef, _Plan]] = []
+            pending = [claim for claim in valid if not self._already(claim, answers)]
+            if any(claim.uid in answers for claim in valid):
+                await self._ensure_specs([c for c in valid if c.uid in answers], answers)
+        began = time.perf_counter()
+        # The network, with no lock held: an Unprepare meanwhile answers at once.
+        objects = await asyncio.gather(*(self._read(claim) for claim in pending), return_exceptions=True)
+        read = time.perf_counter()
+        async with self._lock:
+            snapshot = self._inventory.snapshot
+            planned: dict[str, tuple[ClaimRef, _Plan]] = {}
             for claim, obj in zip(pending, objects, strict=True):
-                if isinstance(obj, PrepareError):
-                    answers[claim.uid] = obj
-                    continue
+                if self._already(claim, answers):
+                    continue  # another call prepared it while this one read the API
                 if isinstance(obj, BaseException):
-                    # The API server failing for one claim must not fail the others.
-                    answers[claim.uid] = PrepareError(
+                    answers[claim.uid] = obj if isinstance(obj, PrepareError) else PrepareError(
                         f"reading ResourceClaim {claim.namespace}/{claim.name} failed: {obj}")
                     continue
                 try:
-                    planned.append((claim, self._plan(claim, obj)))
+                    planned[claim.uid] = (claim, plan_claim(claim, obj, snapshot, self.node, self.kind))
                 except PrepareError as exc:
                     answers[claim.uid] = exc
-            if not planned:
-                return answers
-            for claim, _ in planned:
-                self.checkpoint.claims[claim.uid] = ClaimRecord(claim.uid, claim.namespace, claim.name, STARTED)
-            self.checkpoint.save()
-            for claim, plan in planned:
-                try:
-                    cdi.write_spec(self.cdi_dir, plan.filename, plan.spec)
-                except OSError as exc:
-                    del self.checkpoint.claims[claim.uid]
-                    answers[claim.uid] = PrepareError(f"writing the CDI spec into {self.cdi_dir} failed: {exc}")
-                    continue
-                self.checkpoint.claims[claim.uid] = ClaimRecord(
-                    claim.uid, claim.namespace, claim.name, COMPLETED, plan.devices, plan.spec, plan.filename
-                )
-                answers[claim.uid] = plan.devices
-                log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, claim.uid,
-                         ", ".join(d.device for d in plan.devices))
-            self.checkpoint.save()
-            log.debug("prepared %d claim(s): reading them took %.1f ms, the rest %.1f ms", len(planned),
-                      (read - began) * 1000, (time.perf_counter() - read) * 1000)
-            return answers
+            if planned:
+                await self._commit(planned, answers)
+        log.debug("prepared %d claim(s): reading them took %.1f ms, the rest %.1f ms", len(planned),
+                  (read - began) * 1000, (time.perf_counter() - read) * 1000)
+        return answers
 
-    async def _read(self, claim: ClaimRef) -> dict[str, Any]:
+    def _already(self, claim: ClaimRef, answers: dict[str, list[PreparedDevice] | PrepareError]) -> bool:
+        record = self.checkpoint.claims.get(claim.uid)
+        if record is not None and record.state == COMPLETED:
+            answers[claim.uid] = record.devices
+            return True
+        return False
+
+    async def _ensure_specs(self, claims: Sequence[ClaimRef],
+                            answers: dict[str, list[PreparedDevice] | PrepareError]) -> None:
+        """Completed claims asked again: their specs must be there, or the container gets no GPU."""
+        missing: dict[str, tuple[str, dict[str, Any]]] = {}
+        for claim in claims:
+            record = self.checkpoint.claims[claim.uid]
+            if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
+                missing[claim.uid] = (record.cdi_file, record.cdi_spec)
+        if missing:
+            for uid, why in (await asyncio.to_thread(_write_specs, self.cdi_dir, missing)).items():
+                answers[uid] = PrepareError(why)
+
+    async def _commit(self, planned: dict[str, tuple[ClaimRef, _Plan]],
+                      answers: dict[str, list[PreparedDevice] | PrepareError]) -> None:
+        claims = dict(self.checkpoint.claims)
+        started = {**claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED) for uid, (c, _) in
+                                planned.items()}}
+        try:
+            await asyncio.to_thread(self.checkpoint.save, started)
+        except OSError as exc:
+            for uid in planned:
+                answers[uid] = PrepareError(f"saving the checkpoint {self.checkpoint.path} failed: "
+                                            f"{exc.strerror or exc}; nothing was prepared")
+            return
+        specs = {uid: (plan.filename, plan.spec) for uid, (_, plan) in planned.items()}
+        failed = await asyncio.to_thread(_write_specs, self.cdi_dir, specs)
+        completed = dict(started)
+        for uid, (claim, plan) in planned.items():
+            if uid in failed:
+                del completed[uid]
+                answers[uid] = PrepareError(failed[uid])
+            else:
+                completed[uid] = ClaimRecord(uid, claim.namespace, claim.name, COMPLETED, plan.devices, plan.spec,
+                                             plan.filename)
+        written = [uid for uid in planned if uid not in failed]
+        try:
+            await asyncio.to_thread(self.checkpoint.save, completed)
+        except OSError as exc:
+            # The file still says PrepareStarted: the kubelet is told these failed, and their specs go again, so
+            # that its retry (which saves again) finds the three in agreement.
+            await asyncio.to_thread(_remove_specs, self.cdi_dir, [planned[uid][1].filename for uid in written])
+            for uid in written:
+                answers[uid] = PrepareError(f"saving the checkpoint {self.checkpoint.path} failed: "
+                                            f"{exc.strerror or exc}; the kubelet will retry")
+            return
+        for uid in written:
+            claim, plan = planned[uid]
+            answers[uid] = plan.devices
+            log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, uid,
+                     ", ".join(d.device for d in plan.devices))
+
+    async def _read(self, claim: ClaimRef) -> ResourceClaim:
         try:
             return await self._claims.get_claim(claim.namespace, claim.name)
-        except ClaimNotFound as exc:
+        except NotFound as exc:
             raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} not found: {exc}") from exc
+        except ApiError as exc:
+            raise PrepareError(str(exc)) from exc
 
-    def _plan(self, claim: ClaimRef, obj: dict[str, Any]) -> _Plan:
-        """Everything Prepare will do for ``claim``, computed before anything is written."""
-        driver = self.section.driver_name
-        uid = (obj.get("metadata") or {}).get("uid")
-        if uid != claim.uid:
-            raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} was replaced: its uid is {uid}, "
-                               f"the kubelet asked for {claim.uid}")
-        allocation = (obj.get("status") or {}).get("allocation")
-        if not allocation:
-            raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} is not allocated")
-        results = [r for r in (allocation.get("devices") or {}).get("results") or [] if r.get("driver") == driver]
-        if not results:
-            raise PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} has no devices of driver {driver}")
+    # -- unprepare --------------------------------------------------------------------------------------------
 
-        gpus = self._inventory.gpus
-        devices = self._devices()
-        by_request: dict[str, list[_Share]] = {}
-        problems: list[str] = []
-        for result in results:
-            name = str(result.get("device"))
-            if result.get("pool") != self.node:
-                problems.append(f"device {name} is in pool {result.get('pool')!r}, not this node's {self.node!r}")
-                continue
-            device = devices.get(name)
-            if device is None:
-                problems.append(f"device {name} is not published by this node")
-                continue
-            gpu = gpus[device.gpu_id]
-            if gpu.health is not Health.HEALTHY:
-                problems.append(f"device {name} ({gpu.id}) is {gpu.health}")
-                continue
-            request = str(result.get("request", "")).split("/", 1)[0]
-            by_request.setdefault(request, []).append(_share(device, gpu, result))
-        if problems:
-            raise PrepareError("; ".join(problems))
-
-        cdi_devices: list[tuple[str, ContainerEdits]] = []
-        prepared: list[PreparedDevice] = []
-        for request, shares in by_request.items():
-            try:
-                config = opaque.config_for_request(allocation, driver, request)
-            except opaque.OpaqueConfigError as exc:
-                raise PrepareError(str(exc)) from exc
-            for share in shares:
-                if (why := _cannot_honour(config, share)) is not None:
-                    raise PrepareError(f"request {request}: sharing strategy {config.sharing.strategy} cannot be "
-                                       f"honoured on device {share.device.name} ({share.gpu.id}): {why}")
-            cdi_name = f"claim-{claim.uid}-{request}"
-            cdi_devices.append((cdi_name, request_edits(shares, config, gpus, claim)))
-            for position, share in enumerate(shares):
-                # One CDI device per request carries the edits of all its GPUs, so a container that gets the
-                # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
-                ids = [cdi.qualified_name(self.kind, cdi_name)] if position == 0 else []
-                prepared.append(PreparedDevice([request], self.node, share.device.name, ids, share.share_id))
-        return _Plan(prepared, cdi.build_spec(self.kind, cdi_devices), cdi.spec_filename(self.kind, claim.uid))
-
-    def _devices(self) -> dict[str, DraDevice]:
-        version = self._inventory.version
-        if self._devices_for != version:
-            self._devices_cache = pool_devices(self._inventory.gpus, self.section)
-            self._devices_for = version
-        return self._devices_cache
-
-    async def unprepare(self, claims: Sequence[ClaimRef]) -> None:
-        """Forget every claim of one call; a claim that was never prepared is simply not there."""
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        """Forget every claim of one call; a claim that was never prepared is simply not there. Each answer is ""
+        (done) or why not; "done" only once the checkpoint no longer holds the claim."""
+        answers: dict[str, str] = {}
+        valid: list[ClaimRef] = []
+        for claim in claims:
+            if (problem := claim_problem(claim)) is not None:
+                answers[claim.uid] = problem
+            else:
+                valid.append(claim)
         async with self._lock:
-            forgotten = False
-            for claim in claims:
-                record = self.checkpoint.claims.pop(claim.uid, None)
-                cdi.remove_spec(self.cdi_dir, cdi.spec_filename(self.kind, claim.uid))
-                if record is not None:
-                    forgotten = True
+            current = self.checkpoint.claims
+            gone = [claim for claim in valid if claim.uid in current]
+            if gone:
+                remaining = {uid: record for uid, record in current.items() if uid not in {c.uid for c in gone}}
+                try:
+                    await asyncio.to_thread(self.checkpoint.save, remaining)
+                except OSError as exc:
+                    why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
+                    for claim in valid:
+                        answers[claim.uid] = why
+                    return answers
+                for claim in gone:
                     log.info("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
-            if forgotten:
-                self.checkpoint.save()
+            # After the checkpoint let them go; a spec the checkpoint never held goes too.
+            await asyncio.to_thread(_remove_specs, self.cdi_dir,
+                                    [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
+            for claim in valid:
+                self.missing_specs.pop(claim.uid, None)
+                answers[claim.uid] = ""
+        return answers

@@ -1,126 +1,132 @@
-"""The plugin's side of the host agent: the Mac's GPU facts, fetched over HTTP and kept when the agent is gone."""
+"""The plugin's side of the host agent: the Mac's GPU facts, fetched over HTTP and kept when the agent is gone.
+
+Nothing waits for the agent: the plugin starts, registers and serves with the config's facts, and takes the
+agent's once they arrive. Each fetch has a total deadline and a size cap, so an agent that answers slowly, or
+answers far too much, costs the plugin neither time nor memory.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+
+from gpuppetti.discovery import HostFacts
 from gpuppetti.hostagent import API_PATH
 
 log = logging.getLogger(__name__)
 
+# The whole exchange, connect to last byte.
 TIMEOUT_S = 5.0
+# An agent serves a few hundred bytes; anything near this is not an agent.
+MAX_ANSWER_BYTES = 256 * 1024
+STALE = "host-agent (stale)"
 
 
 class AgentError(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class AgentFacts:
-    model: str
-    cores: int | None
-    memory_bytes: int | None
-    utilization_percent: int | None
-    in_use_memory_bytes: int | None
-    fetched_at: float
-    stale: bool = False
-
-    @property
-    def source(self) -> str:
-        return "host-agent (stale)" if self.stale else "host-agent"
-
-
-def fetch(url: str, token: str, timeout: float = TIMEOUT_S) -> AgentFacts:
-    """The first Apple GPU the agent at ``url`` reports. Raises AgentError saying what went wrong."""
-    request = urllib.request.Request(url.rstrip("/") + API_PATH, headers={"Authorization": f"Bearer {token}"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            document = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        hint = " (is the token the agent printed in the Secret?)" if exc.code == 401 else ""
-        raise AgentError(f"the host agent at {url} answered {exc.code}{hint}") from exc
-    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as exc:
-        raise AgentError(f"the host agent at {url} did not answer: {getattr(exc, 'reason', exc)}") from exc
-    apple = [gpu for gpu in document.get("gpus", []) if gpu.get("vendor") == "apple"]
+def facts_from(document: Any, url: str) -> HostFacts:
+    """The first Apple GPU of an agent's /v1/gpus document. Raises AgentError when it is not one."""
+    if not isinstance(document, dict) or not isinstance(document.get("gpus"), list):
+        raise AgentError(f"the answer of {url} is not a gpuppetti host agent's {API_PATH} document")
+    apple = [gpu for gpu in document["gpus"] if isinstance(gpu, dict) and gpu.get("vendor") == "apple"]
     if not apple:
         raise AgentError(f"the host agent at {url} reports no Apple GPU ({document.get('error') or 'none found'})")
     gpu = apple[0]
-    return AgentFacts(
+
+    def number(key: str) -> int | None:
+        value = gpu.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    return HostFacts(
         model=str(gpu.get("model") or "Apple GPU"),
-        cores=gpu.get("cores"),
+        cores=number("cores"),
         # What the GPU may use without hurting performance, where Metal said; else the unified memory.
-        memory_bytes=gpu.get("recommended_max_working_set_bytes") or gpu.get("unified_memory_bytes"),
-        utilization_percent=gpu.get("utilization_percent"),
-        in_use_memory_bytes=gpu.get("in_use_memory_bytes"),
-        fetched_at=time.time(),
+        memory_bytes=number("recommended_max_working_set_bytes") or number("unified_memory_bytes"),
+        utilization_percent=number("utilization_percent"),
+        in_use_memory_bytes=number("in_use_memory_bytes"),
+        source="host-agent",
     )
 
 
+async def fetch(url: str, token: str, timeout: float = TIMEOUT_S) -> HostFacts:
+    """Ask the agent at ``url``. Raises AgentError saying what went wrong."""
+    target = url.rstrip("/") + API_PATH
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(target, headers={"Authorization": f"Bearer {token}"}, allow_redirects=False) as response,
+        ):
+            if response.status != 200:
+                hint = " (is the token the agent printed in the Secret?)" if response.status == 401 else ""
+                raise AgentError(f"the host agent at {url} answered {response.status}{hint}")
+            if (response.content_length or 0) > MAX_ANSWER_BYTES:
+                raise AgentError(f"the host agent at {url} sent {response.content_length} bytes; "
+                                 f"at most {MAX_ANSWER_BYTES} are read")
+            body = await response.content.read(MAX_ANSWER_BYTES + 1)
+    except TimeoutError:
+        raise AgentError(f"the host agent at {url} did not answer within {timeout:g}s") from None
+    except aiohttp.ClientError as exc:
+        raise AgentError(f"the host agent at {url} did not answer: {exc}") from None
+    if len(body) > MAX_ANSWER_BYTES:
+        raise AgentError(f"the host agent at {url} sent more than {MAX_ANSWER_BYTES} bytes")
+    try:
+        document = json.loads(body)
+    except ValueError:
+        raise AgentError(f"the answer of {url} is not JSON") from None
+    return facts_from(document, url)
+
+
 class HostAgentSource:
-    """The last good facts, read by the DRM backend (on a thread) and updated by ``poll`` (on the loop)."""
+    """The last good facts, kept (marked stale) when the agent stops answering."""
 
     def __init__(self, url: str, token_file: Path) -> None:
         self.url = url
         self.token_file = token_file
-        self._facts: AgentFacts | None = None
-        self._lock = threading.Lock()
+        self._facts: HostFacts | None = None
         self.last_error: str | None = None
 
-    def current(self) -> AgentFacts | None:
-        with self._lock:
-            return self._facts
+    def current(self) -> HostFacts | None:
+        return self._facts
 
     def _token(self) -> str:
         try:
             return self.token_file.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise AgentError(f"cannot read the host agent token {self.token_file}: {exc.strerror}") from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise AgentError(f"cannot read the host agent token {self.token_file}: {exc}") from exc
 
-    def fetch_once(self) -> AgentFacts | None:
+    async def fetch_once(self) -> HostFacts | None:
         """Ask the agent; on failure keep the last good facts, marked stale. Returns what is current now."""
         try:
-            facts = fetch(self.url, self._token())
+            facts = await fetch(self.url, self._token())
         except AgentError as exc:
-            with self._lock:
-                if self._facts is not None and not self._facts.stale:
-                    log.warning("%s; keeping the facts it last gave (%s), marked stale", exc, self._facts.model)
-                    self._facts = replace(self._facts, stale=True)
-                elif self._facts is None and self.last_error != str(exc):
-                    log.warning("%s; serving the config's virtio facts until it does", exc)
-                self.last_error = str(exc)
-                return self._facts
-        with self._lock:
-            if self._facts is None or self._facts.stale:
-                log.info("host agent at %s: %s, %s cores", self.url, facts.model, facts.cores)
-            self._facts = facts
-            self.last_error = None
-            return facts
+            if self._facts is not None and self._facts.source != STALE:
+                log.warning("%s; keeping the facts it last gave (%s), marked stale", exc, self._facts.model)
+                self._facts = dataclasses.replace(self._facts, source=STALE)
+            elif self._facts is None and self.last_error != str(exc):
+                log.warning("%s; serving the config's virtio facts until it does", exc)
+            self.last_error = str(exc)
+            return self._facts
+        if self._facts is None or self._facts.source == STALE:
+            log.info("host agent at %s: %s, %s cores", self.url, facts.model, facts.cores)
+        self._facts = facts
+        self.last_error = None
+        return facts
 
     async def poll(self, interval: float, changed: Callable[[], Awaitable[None]]) -> None:
-        """Fetch every ``interval`` seconds; call ``changed`` when the facts (or their staleness) change.
-
-        The first fetch happened before the first discovery, so this starts by waiting.
-        """
-        previous = self.current()
+        """Fetch now and every ``interval`` seconds; call ``changed`` when the facts (or their staleness) change."""
+        previous: HostFacts | None = None
         while True:
-            await asyncio.sleep(interval)
-            facts = await asyncio.to_thread(self.fetch_once)
-            if _identity(facts) != _identity(previous):
+            facts = await self.fetch_once()
+            if facts != previous:
                 await changed()
             previous = facts
-
-
-def _identity(facts: AgentFacts | None) -> tuple[object, ...] | None:
-    if facts is None:
-        return None
-    return (facts.model, facts.cores, facts.memory_bytes, facts.stale, facts.utilization_percent,
-            facts.in_use_memory_bytes)
+            await asyncio.sleep(interval)

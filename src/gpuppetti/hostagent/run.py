@@ -1,34 +1,27 @@
-"""The ``gpuppetti host-agent`` process."""
+"""The ``gpuppetti host-agent`` process: the HTTP server, and the refresh of live figures, as its duties."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
-from gpuppetti.daemon import StartupError, serve_until_signalled
 from gpuppetti.hostagent.server import Collector, HostAgent
+from gpuppetti.runtime import Runtime, StartupError
 
 log = logging.getLogger(__name__)
 
 
 async def run_agent(token: str, host: str | None, port: int, interval: float) -> None:
+    await Runtime().run(lambda runtime: start_agent(runtime, token, host, port, interval))
+
+
+async def start_agent(runtime: Runtime, token: str, host: str | None, port: int, interval: float) -> None:
     agent = HostAgent(token, Collector(), interval)
     try:
         await agent.start(host, port)
     except OSError as exc:
-        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        raise StartupError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from exc
     if agent.collector.error:
         log.warning("no GPU found yet: %s", agent.collector.error)
-
-    async def serve(stop: asyncio.Event) -> None:
-        refresher = asyncio.create_task(agent.refresh_forever(), name="host-agent-refresh")
-        try:
-            await stop.wait()
-        finally:
-            refresher.cancel()
-            await agent.stop()
-
-    async def reload() -> None:
-        await asyncio.to_thread(agent.collector.collect)
-
-    await serve_until_signalled(serve, reload)
+    runtime.spawn("host-agent-http", agent.serve())
+    runtime.spawn("host-agent-refresh", agent.refresh_forever())
+    runtime.spawn("config-reload", runtime.reloads(agent.recollect))

@@ -126,6 +126,16 @@ class HostAgent:
             await asyncio.sleep(self._interval)
             await asyncio.to_thread(self.collector.refresh)
 
+    async def recollect(self) -> None:
+        await asyncio.to_thread(self.collector.collect)
+
+    async def serve(self) -> None:
+        """Duty: serve until cancelled, then close the listener."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.stop()
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()

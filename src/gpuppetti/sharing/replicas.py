@@ -1,17 +1,41 @@
-"""The sharing policy: how GPUs become allocatable units, and which units to prefer for a request."""
+"""The device plugin's units: each GPU whole, or time-sliced into replicas, under an extended resource name."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from fractions import Fraction
+from types import MappingProxyType
 
 from gpuppetti.config import ConfigError, TimeSlicing, resource_name_problem
-from gpuppetti.model import Gpu, Unit, replica_unit_id
+from gpuppetti.model import Gpu
+from gpuppetti.sharing.size import Size
 
-AllocationPolicy = Literal["distributed", "packed"]
 MAX_DEVICE_ID_LENGTH = 63
+
+
+@dataclass(frozen=True)
+class Unit:
+    """An allocatable unit: a whole GPU, or one time-sliced replica of it, with its size.
+
+    The id is the GPU id for a whole GPU, and ``<gpu-id>::<n>`` for replica n, as the NVIDIA plugin names them,
+    so that tooling which strips the suffix keeps working.
+    """
+
+    id: str
+    gpu_id: str
+    resource: str
+    replicas: int
+    replica: int | None = None
+    size: Size | None = field(default=None, compare=False)
+
+    @property
+    def shared(self) -> bool:
+        return self.replicas > 1
+
+
+def replica_unit_id(gpu_id: str, replica: int) -> str:
+    return f"{gpu_id}::{replica}"
 
 
 @dataclass(frozen=True)
@@ -20,12 +44,18 @@ class ResourcePlan:
 
     name: str
     units: tuple[Unit, ...]
-    by_id: dict[str, Unit] = field(compare=False, repr=False)
+    by_id: Mapping[str, Unit] = field(compare=False, repr=False)
+    # The units of each GPU, GPUs in order: what a device list is built from, one block per GPU.
+    by_gpu: tuple[tuple[str, tuple[Unit, ...]], ...] = field(compare=False, repr=False, default=())
 
     @classmethod
     def of(cls, name: str, units: Iterable[Unit]) -> ResourcePlan:
         ordered = tuple(units)
-        return cls(name=name, units=ordered, by_id={unit.id: unit for unit in ordered})
+        per_gpu: dict[str, list[Unit]] = {}
+        for unit in ordered:
+            per_gpu.setdefault(unit.gpu_id, []).append(unit)
+        return cls(name=name, units=ordered, by_id=MappingProxyType({unit.id: unit for unit in ordered}),
+                   by_gpu=tuple((gpu_id, tuple(units)) for gpu_id, units in per_gpu.items()))
 
 
 def _matches(device: str | int, gpu: Gpu) -> bool:
@@ -71,11 +101,13 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
                 name = entry.rename
             elif time_slicing.rename_by_default and replicas > 1:
                 name = f"{base}.shared"
+        size = Size.of(gpu, Fraction(1, replicas))
         if replicas == 1:
-            gpu_units = [Unit(id=gpu.id, gpu_id=gpu.id, resource=name, replicas=1)]
+            gpu_units = [Unit(id=gpu.id, gpu_id=gpu.id, resource=name, replicas=1, size=size)]
         else:
             gpu_units = [
-                Unit(id=replica_unit_id(gpu.id, n), gpu_id=gpu.id, resource=name, replicas=replicas, replica=n)
+                Unit(id=replica_unit_id(gpu.id, n), gpu_id=gpu.id, resource=name, replicas=replicas, replica=n,
+                     size=size)
                 for n in range(replicas)
             ]
         longest = max(gpu_units, key=lambda u: len(u.id)).id
@@ -100,55 +132,3 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
     if problems:
         raise ConfigError(source, problems)
     return {name: ResourcePlan.of(name, resource_units) for name, resource_units in sorted(units.items())}
-
-
-def preferred_allocation(
-    plan: ResourcePlan,
-    available: Sequence[str],
-    must_include: Sequence[str],
-    size: int,
-    policy: AllocationPolicy,
-) -> list[str]:
-    """Choose ``size`` unit ids from ``available``, always keeping ``must_include``.
-
-    ``distributed`` spreads replicas over GPUs, least-used GPU first, so that time-sliced pods contend less.
-    ``packed`` fills the most-used GPU first, keeping whole GPUs free for larger requests.
-    A GPU's use is its replicas that are not available (the kubelet holds them) plus those chosen here.
-    Unknown ids are ignored: the kubelet may send ids from an older list, and the answer is only a preference.
-    """
-    chosen: list[str] = []
-    for unit_id in must_include:
-        if unit_id in plan.by_id and unit_id not in chosen:
-            chosen.append(unit_id)
-    if len(chosen) >= size:
-        return chosen[:size] if size > 0 else chosen
-
-    free: dict[str, list[Unit]] = {}
-    for unit_id in available:
-        unit = plan.by_id.get(unit_id)
-        if unit is not None and unit_id not in chosen:
-            free.setdefault(unit.gpu_id, [])
-            if unit not in free[unit.gpu_id]:
-                free[unit.gpu_id].append(unit)
-    for gpu_units in free.values():
-        gpu_units.sort(key=lambda u: (u.replica if u.replica is not None else -1, u.id))
-
-    total = Counter(unit.gpu_id for unit in plan.units)
-    in_use = Counter({gpu_id: total[gpu_id] - len(free.get(gpu_id, [])) for gpu_id in total})
-    # must_include ids are part of `available` but not of `free`, so in_use already counts them.
-    order: dict[str, int] = {}
-    for unit in plan.units:
-        order.setdefault(unit.gpu_id, len(order))
-
-    while len(chosen) < size:
-        candidates = [gpu_id for gpu_id, gpu_units in free.items() if gpu_units]
-        if not candidates:
-            break
-        if policy == "packed":
-            gpu_id = min(candidates, key=lambda g: (-in_use[g], order[g]))
-        else:
-            gpu_id = min(candidates, key=lambda g: (in_use[g], order[g]))
-        unit = free[gpu_id].pop(0)
-        chosen.append(unit.id)
-        in_use[gpu_id] += 1
-    return chosen

@@ -1,0 +1,74 @@
+"""One instance per directory: an advisory lock on the directory itself, which the kernel releases when its
+holder dies.
+
+A second plugin (or driver) started on the same directory waits for the first to stop, saying so, instead of
+taking its sockets over; when the first stops (or is killed), the second takes over at once. The lock is a flock
+on the directory, so nothing is added to it (the kubelet's directories hold only what the kubelet expects), and it
+survives PID reuse and PID namespaces; the holder's PID, from /proc/locks, is only for the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+REMIND_S = 30.0
+
+
+def _holder(directory: Path) -> str:
+    """The PID that holds a flock on ``directory``, as /proc/locks tells it (as far as this PID namespace sees)."""
+    with contextlib.suppress(OSError, ValueError):
+        st = directory.stat()
+        wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == wanted:
+                return f"pid {int(fields[4])}"
+    return "another process"
+
+
+class InstanceLock:
+    def __init__(self, directory: Path, what: str) -> None:
+        self.directory = directory
+        self.what = what
+        self._fd: int | None = None
+        self.waiting_for: str | None = None
+
+    def try_acquire(self) -> bool:
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        self.waiting_for = None
+        return True
+
+    async def acquire(self) -> None:
+        """Take the lock, waiting for its holder to stop; logs what it waits for."""
+        waited = 0.0
+        reminded: float | None = None
+        while not self.try_acquire():
+            if reminded is None or waited - reminded >= REMIND_S:
+                self.waiting_for = (f"another gpuppetti {self.what} ({_holder(self.directory)}) serves "
+                                    f"{self.directory}")
+                log.error("%s; waiting for it to stop before taking over (two instances would steal each "
+                          "other's sockets)", self.waiting_for)
+                reminded = waited
+            await asyncio.sleep(POLL_S)
+            waited += POLL_S
+        if waited:
+            log.info("the other instance stopped; this %s takes over %s", self.what, self.directory)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

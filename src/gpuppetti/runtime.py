@@ -1,0 +1,88 @@
+"""One runtime per process: every duty is a named task of one TaskGroup, and all of them stop on one path.
+
+The signal handlers are the first thing installed, so a signal at any moment is handled: SIGTERM and SIGINT ask
+for a stop (during start-up too, which is then cut short), and SIGHUP asks for a reload, which the process's
+reload duty carries out once it runs (a SIGHUP during start-up is deferred, not fatal). A duty that fails stops the
+process: the others are cancelled, each cleans up in its own ``finally``, and the failure is reported once.
+Duties that must stop in a given order (unregister before the service goes away) are one duty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Sockets, checkpoints and directories get explicit modes; anything else the process creates is private.
+UMASK = 0o077
+
+
+class StartupError(Exception):
+    """A long-running command cannot start; the message says why and what to do."""
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.stopping = asyncio.Event()
+        self.reload_requested = asyncio.Event()
+        self.stop_reason: str | None = None
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def request_stop(self, why: str) -> None:
+        if not self.stopping.is_set():
+            log.info("%s; stopping", why)
+            self.stop_reason = why
+        self.stopping.set()
+
+    def _on_signal(self, signum: int) -> None:
+        if signum == signal.SIGHUP:
+            log.info("received SIGHUP; reloading")
+            self.reload_requested.set()
+        else:
+            self.request_stop(f"received {signal.Signals(signum).name}")
+
+    def spawn(self, name: str, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Start a duty as a named task of the process's TaskGroup."""
+        if self._group is None:
+            coroutine.close()
+            raise RuntimeError(f"cannot start {name}: the runtime is not running")
+        task = self._group.create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run(self, start: Callable[[Runtime], Awaitable[None]]) -> None:
+        """Run ``start`` (which builds the process and spawns its duties), then serve until a stop is asked for or
+        a duty fails; then cancel every duty and wait for all of them to finish."""
+        loop = asyncio.get_running_loop()
+        os.umask(UMASK)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                starting = self.spawn("start", self._start(start))
+                await self.stopping.wait()
+                starting.cancel()
+                for task in list(self._tasks):
+                    task.cancel()
+        finally:
+            self._group = None
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+
+    async def _start(self, start: Callable[[Runtime], Awaitable[None]]) -> None:
+        await start(self)
+
+    async def reloads(self, reload: Callable[[], Awaitable[None]]) -> None:
+        """The reload duty: one reload per SIGHUP (several while one runs make one more)."""
+        while True:
+            await self.reload_requested.wait()
+            self.reload_requested.clear()
+            await reload()

@@ -1,0 +1,114 @@
+"""The DRA driver's devices: each GPU whole, as partitions that consume its counters, or as consumable capacity.
+
+Every device carries its size, computed here once: the ResourceSlices advertise it, and a claim's container is
+told it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from types import MappingProxyType
+
+from gpuppetti.config import DraSection
+from gpuppetti.model import Gpu
+from gpuppetti.sharing.size import Size
+
+# The smallest amount of each capacity a consumable claim can take, and the step it takes it in.
+CONSUMABLE_STEP: Mapping[str, Fraction] = MappingProxyType(
+    {"share": Fraction(1, 1000), "cores": Fraction(1), "memory": Fraction(2**20)})
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """One capacity of a device; for a consumable device, also what a claim takes by default and the step."""
+
+    name: str
+    value: Fraction
+    default: Fraction | None = None
+    step: Fraction | None = None
+
+
+@dataclass(frozen=True)
+class PoolDevice:
+    """One device of the pool: a whole GPU, or partition ``part`` of ``partitions`` equal ones."""
+
+    name: str
+    gpu_id: str
+    size: Size
+    capacity: tuple[Capacity, ...]
+    partitions: int = 1
+    part: int = 0
+    consumable: bool = False
+    # Partitions mode: the counter set every device of this GPU draws from.
+    counter_set: str | None = None
+
+
+@dataclass(frozen=True)
+class CounterSet:
+    name: str
+    gpu_id: str
+    counters: Mapping[str, Fraction]
+
+
+@dataclass(frozen=True)
+class Pool:
+    slicing: str
+    devices: Mapping[str, PoolDevice]
+    counter_sets: tuple[CounterSet, ...] = ()
+
+
+def gpu_device_name(gpu: Gpu) -> str:
+    # A DNS label that stays put while the GPU does: GPU ids (UUIDs, PCI addresses) are not DNS labels.
+    return f"gpu-{gpu.vendor.value}-{gpu.index}"
+
+
+def counter_set_name(gpu: Gpu) -> str:
+    return f"{gpu_device_name(gpu)}-counters"
+
+
+def _plain(size: Size) -> tuple[Capacity, ...]:
+    return tuple(Capacity(name, value) for name, value in size.amounts().items())
+
+
+def consumable_capacity(gpu: Gpu, shares: int) -> tuple[Capacity, ...]:
+    """Each capacity with a request policy. A claim that names none takes 1/shares of each; a claim that names some
+    takes what it names, and of the others only the minimum: the scheduler charges a capacity's default to every
+    claim that leaves it out, so a default share of 1/shares would cap a GPU at ``shares`` claims however little
+    each asks for. ``share`` then keeps its 1/shares default only for a GPU whose cores and memory are unknown."""
+    whole = Size.whole(gpu).amounts()
+    default = Size.of(gpu, Fraction(1, shares)).amounts()
+    measured = "cores" in whole or "memory" in whole
+    capacity = []
+    for name, total in whole.items():
+        if total <= 0:
+            continue
+        step = min(CONSUMABLE_STEP[name], total)
+        wanted = step if name == "share" and measured else max(default[name], step)
+        capacity.append(Capacity(name, total, wanted, step))
+    return tuple(capacity)
+
+
+def build_pool(gpus: Iterable[Gpu], section: DraSection) -> Pool:
+    devices: dict[str, PoolDevice] = {}
+    counter_sets: list[CounterSet] = []
+    for gpu in gpus:
+        base = gpu_device_name(gpu)
+        whole = Size.whole(gpu)
+        if section.slicing == "consumable":
+            devices[base] = PoolDevice(base, gpu.id, whole, consumable_capacity(gpu, section.shares),
+                                       consumable=True)
+            continue
+        if section.slicing == "whole":
+            devices[base] = PoolDevice(base, gpu.id, whole, _plain(whole))
+            continue
+        counters = counter_set_name(gpu)
+        counter_sets.append(CounterSet(counters, gpu.id, MappingProxyType(whole.amounts())))
+        devices[base] = PoolDevice(base, gpu.id, whole, _plain(whole), counter_set=counters)
+        for count in sorted(set(section.partitions)):
+            size = Size.of(gpu, Fraction(1, count))
+            for part in range(count):
+                name = f"{base}-p{count}-{part}"
+                devices[name] = PoolDevice(name, gpu.id, size, _plain(size), count, part, counter_set=counters)
+    return Pool(section.slicing, MappingProxyType(devices), tuple(counter_sets))

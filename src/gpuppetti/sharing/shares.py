@@ -1,0 +1,63 @@
+"""What one DRA claim was given of a pool device: the device's own size, or the capacity it consumed of a
+consumable device; and whether the sharing strategy it asked for can be honoured there."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+from gpuppetti.model import Gpu, Vendor
+from gpuppetti.quantity import parse_quantity
+from gpuppetti.sharing.pool import PoolDevice
+from gpuppetti.sharing.size import Size
+
+STRATEGIES = ("TimeSlicing", "Exclusive", "MPS")
+
+
+@dataclass(frozen=True)
+class Share:
+    device: PoolDevice
+    gpu: Gpu
+    size: Size
+    share_id: str | None = None
+
+
+class ShareError(ValueError):
+    """A claim's allocation that this device cannot be; the message names the device and what is wrong."""
+
+
+def claim_share(device: PoolDevice, gpu: Gpu, consumed: Mapping[str, str] | None, share_id: str | None) -> Share:
+    """The share a claim got of ``device``: what it consumed of a consumable device, else the whole device."""
+    if not consumed:
+        return Share(device, gpu, device.size, share_id)
+    amounts: dict[str, Fraction] = {}
+    for name, text in consumed.items():
+        try:
+            amounts[name] = parse_quantity(str(text))
+        except ValueError as exc:
+            raise ShareError(f"device {device.name}: consumedCapacity.{name}: {exc}") from None
+        if amounts[name] < 0:
+            raise ShareError(f"device {device.name}: consumedCapacity.{name} is negative ({text!r})")
+    memory = amounts.get("memory")
+    fraction = amounts.get("share")
+    if fraction is None:
+        # The fraction that the largest of the named amounts is of the GPU: what the claim may assume it has.
+        parts = [amounts[n] / total for n, total in device.size.amounts().items() if n in amounts and total > 0]
+        fraction = max(parts, default=device.size.fraction)
+    size = Size(fraction, amounts.get("cores"), int(memory) if memory is not None else None)
+    return Share(device, gpu, size, share_id)
+
+
+def cannot_honour(strategy: str, share: Share) -> str | None:
+    """Why ``strategy`` cannot be what ``share`` gets; None when it can. Running the pod anyway would promise what
+    nobody delivers."""
+    if strategy == "Exclusive" and share.share_id:
+        return ("in consumable mode the device shares its capacity with other claims (dra.slicing: whole gives "
+                "a claim the GPU to itself)")
+    if strategy == "Exclusive" and share.device.partitions > 1:
+        return ("a partition shares its GPU with the other partitions (dra.slicing: whole gives a claim the GPU "
+                "to itself)")
+    if strategy == "MPS" and share.gpu.vendor is not Vendor.NVIDIA:
+        return f"MPS is NVIDIA's Multi-Process Service, and this GPU is {share.gpu.vendor.value}"
+    return None

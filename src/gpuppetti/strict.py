@@ -1,0 +1,50 @@
+"""The one strict pydantic base, and the one way its errors are told: a key path and what is wrong with it.
+
+The config file and the DRA driver's opaque GpuConfig both use it, so a mistake reads the same wherever it is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.alias_generators import to_camel
+
+
+class Strict(BaseModel):
+    # Strict types: YAML's `replicas: "4"` is a mistake worth reporting, not something to coerce. Unknown keys are
+    # mistakes too (a typo would otherwise silently fall back to a default).
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, alias_generator=to_camel, populate_by_name=False
+    )
+
+
+def key_path(loc: tuple[int | str, ...]) -> str:
+    """pydantic's location as the user wrote it: ``sharing.timeSlicing.resources[0].replicas``."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "int") or part.startswith(("function-", "literal[")):
+            # pydantic names the union branch it tried; the user only cares about the key.
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def describe(error: Any) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if kind not in ("value_error", "assertion_error"):
+        message = f"{message[0].lower()}{message[1:]} (got {error['input']!r})"
+    return message
+
+
+def problems(exc: ValidationError) -> list[tuple[str, str]]:
+    """One (key path, what is wrong) per error."""
+    return [(key_path(tuple(error["loc"])), describe(error)) for error in exc.errors()]
