@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,9 +28,11 @@ async def kubelet(plugin_dir: Path) -> AsyncIterator[KubeletEmulator]:
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     # Kept on the item, so that fixtures can tell in their teardown whether the test failed.
-    report: pytest.TestReport = yield
+    report = yield
     setattr(item, f"report_{report.when}", report)
     return report
 
