@@ -26,6 +26,7 @@ e2e: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests tools bench
+	$(BIN)/lint-imports --no-logo --no-cache
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -37,6 +37,8 @@ from tests.standins.apiserver import ApiStandIn
 from tests.standins.dra_kubelet import ClaimKey, DraKubelet
 
 SIZES = (10, 100, 1000, 10000)
+# The device plugin's sizes: the kubelet's 4 MiB limit is near 140,000 units.
+PLUGIN_SIZES = (10, 100, 1000, 10000, 50000)
 APPLE = "apple.com/gpu"
 NODE = "bench-node"
 DRIVER = "gpu.gpuppetti.dev"
@@ -87,11 +89,17 @@ class Plugin:
         fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def rss_bytes(self) -> int:
+    def _status(self, key: str) -> int:
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+    def rss_bytes(self) -> int:
+        return self._status("VmRSS")
+
+    def rss_file_bytes(self) -> int:
+        return self._status("RssFile")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -104,8 +112,32 @@ class Plugin:
         self.log.close()
 
 
+# The goal was set where a bare grpc.aio plugin starts in 0.10 s: this machine's own floor scales it.
+START_GOAL_S, START_REFERENCE_FLOOR_S = 0.5, 0.10
+
+
+async def _bare_starts(workdir: Path, attempts: int) -> list[float]:
+    """Start to registered of a bare grpc.aio plugin (bench/bare_plugin.py): the floor, on this machine now."""
+    directory = workdir / "bare"
+    directory.mkdir(exist_ok=True)
+    starts = []
+    async with KubeletEmulator(directory) as kubelet:
+        for attempt in range(attempts):
+            began = time.monotonic()
+            process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("bare_plugin.py")),
+                                        str(directory), "example.com/bare"])
+            try:
+                await kubelet.wait_registered("example.com/bare", count=attempt + 1, timeout=30)
+                starts.append(time.monotonic() - began)
+            finally:
+                process.kill()
+                process.wait()
+    return starts
+
+
 async def bench_plugin_basics(workdir: Path, idle_seconds: float, figures: list[Figure]) -> None:
     (workdir / "dp").mkdir(exist_ok=True)
+    floor = statistics.median(await _bare_starts(workdir, 5))
     async with KubeletEmulator(workdir / "dp") as kubelet:
         starts = []
         for attempt in range(5):
@@ -115,9 +147,13 @@ async def bench_plugin_basics(workdir: Path, idle_seconds: float, figures: list[
             starts.append(time.monotonic() - plugin.started)
             if attempt < 4:
                 plugin.stop()
-        figures.append(Figure("process start to registered (median of 5)", statistics.median(starts) * 1000,
-                              "ms", "≤ 1500 ms", statistics.median(starts) <= 1.5,
-                              f"max {max(starts) * 1000:.0f} ms"))
+        start = statistics.median(starts)
+        goal = START_GOAL_S * floor / START_REFERENCE_FLOOR_S
+        figures.append(Figure(
+            "process start to registered (median of 5)", start * 1000, "ms",
+            f"≤ 500 ms where a bare plugin takes 100 ms: ≤ {goal * 1000:,.0f} ms here", start <= goal,
+            f"a bare grpc.aio plugin (bench/bare_plugin.py) takes {floor * 1000:,.0f} ms here, this run; "
+            f"max {max(starts) * 1000:,.0f} ms"))
 
         await asyncio.sleep(2)
         cpu_before, wall_before = plugin.cpu_seconds(), time.monotonic()
@@ -127,7 +163,8 @@ async def bench_plugin_basics(workdir: Path, idle_seconds: float, figures: list[
         figures.append(Figure(f"idle CPU over {idle_seconds:.0f} s, 2 GPUs x 4 replicas", share, "% of a core",
                               "≤ 0.2 %", share <= 0.2, f"{cpu * 1000:.0f} ms of CPU"))
         rss = plugin.rss_bytes() / 2**20
-        figures.append(Figure("resident memory, 2 GPUs x 4 replicas", rss, "MiB", "≤ 60 MiB", rss <= 60))
+        figures.append(Figure("resident memory, 2 GPUs x 4 replicas", rss, "MiB", "≤ 50 MiB", rss <= 50,
+                              f"of which shared libraries {plugin.rss_file_bytes() / 2**20:.1f} MiB"))
 
         restarts = []
         for _ in range(20):
@@ -142,6 +179,23 @@ async def bench_plugin_basics(workdir: Path, idle_seconds: float, figures: list[
         plugin.stop()
 
 
+FIRST_LIST_GOALS = {10000: 5.0, 50000: 20.0}
+RATIO_GOAL = 1.15
+
+
+def _first_lists(kubelet: KubeletEmulator) -> list[float]:
+    """From each registration the kubelet took to the first list that arrived after it, in seconds."""
+    gaps = []
+    registered: float | None = None
+    for event in kubelet.events:
+        if event.kind == "registered" and event.resource == APPLE:
+            registered = event.at
+        elif event.kind == "list" and event.resource == APPLE and registered is not None:
+            gaps.append(event.at - registered)
+            registered = None
+    return gaps
+
+
 async def bench_size(workdir: Path, units: int, calls: int, figures: list[Figure]) -> None:
     directory = workdir / f"dp-{units}"
     directory.mkdir()
@@ -150,6 +204,17 @@ async def bench_size(workdir: Path, units: int, calls: int, figures: list[Figure
         try:
             endpoint = await kubelet.wait_registered(APPLE, timeout=60)
             ids = sorted(endpoint.devices)
+            for restart in range(10):
+                await kubelet.restart()
+                endpoint = await kubelet.wait_registered(APPLE, count=restart + 2, timeout=60)
+            first = statistics.median(_first_lists(kubelet)[1:]) * 1000
+            goal = FIRST_LIST_GOALS.get(units)
+            figures.append(Figure(
+                f"first ListAndWatch list after Register (median of 10), {len(ids):,} units", first, "ms",
+                f"≤ {goal:g} ms" if goal else "report", first <= goal if goal else None,
+                "from the kubelet's Register handler to the list arriving, after kubelet restarts"))
+            if units > 10000:
+                return
             allocate_samples: list[float] = []
             baseline_samples: list[float] = []
             for n in range(calls):
@@ -164,14 +229,15 @@ async def bench_size(workdir: Path, units: int, calls: int, figures: list[Figure
                 baseline_samples.append(time.perf_counter() - began)
             a50, b50 = percentile(allocate_samples, 50), percentile(baseline_samples, 50)
             ratio = a50 / b50
-            goal = "p50 ratio ≤ 1.25" if units >= 1000 else "report"
+            judged = units == 1000
             figures.append(Figure(
-                f"Allocate p50 / no-op unary p50, {len(ids)} units", ratio, "x", goal,
-                ratio <= 1.25 if units >= 1000 else None,
-                f"Allocate p50 {a50 * 1e6:.0f} µs p99 {percentile(allocate_samples, 99) * 1e6:.0f} µs; "
-                f"no-op p50 {b50 * 1e6:.0f} µs p99 {percentile(baseline_samples, 99) * 1e6:.0f} µs"))
+                f"Allocate p50 / no-op unary p50, {len(ids):,} units", ratio, "x",
+                f"≤ {RATIO_GOAL}" if judged else "report", ratio <= RATIO_GOAL if judged else None,
+                f"Allocate p50 {a50 * 1e6:,.0f} µs p99 {percentile(allocate_samples, 99) * 1e6:,.0f} µs; "
+                f"no-op p50 {b50 * 1e6:,.0f} µs p99 {percentile(baseline_samples, 99) * 1e6:,.0f} µs"))
 
             flips: list[float] = []
+            observed: list[float] = []
             for n in range(20):
                 health = "Unhealthy" if n % 2 == 0 else "Healthy"
                 seen = endpoint.updates
@@ -183,18 +249,23 @@ async def bench_size(workdir: Path, units: int, calls: int, figures: list[Figure
                 began = time.monotonic()
                 plugin.process.send_signal(signal.SIGHUP)
                 await kubelet.wait_for(arrived, timeout=30)
-                flips.append(time.monotonic() - began)
-            p99 = percentile(flips, 99) * 1000
-            figures.append(Figure(f"health change to the kubelet's new list (p99 of 20), {len(ids)} units", p99,
-                                  "ms", "p99 ≤ 50 ms" if units <= 1000 else "report",
-                                  p99 <= 50 if units <= 1000 else None,
-                                  "a SIGHUP reload flips one GPU's health: config parse, discovery, full list"))
+                observed.append(time.monotonic() - began)
+                # When the list reached the kubelet, before the emulator's own (Python) bookkeeping of it.
+                flips.append([e for e in kubelet.events if e.kind == "list"][-1].at - began)
+            median = statistics.median(flips) * 1000
+            judged = units == 10000
+            figures.append(Figure(
+                f"health change to the kubelet's new list (median of 20), {len(ids):,} units", median, "ms",
+                "≤ 10 ms" if judged else "report", median <= 10 if judged else None,
+                f"p99 {percentile(flips, 99) * 1000:,.1f} ms; a SIGHUP reload flips one GPU's health: config "
+                "parse, discovery, the changed GPU's part of the list, to its arrival at the kubelet; with the "
+                f"emulator's own bookkeeping of the list {statistics.median(observed) * 1000:,.1f} ms"))
         finally:
             plugin.stop()
 
 
 async def bench_list_building(figures: list[Figure]) -> None:
-    for units in SIZES:
+    for units in PLUGIN_SIZES:
         config = parse_config(plugin_config(units), "bench")
         inventory = Inventory(config, SimulatedBackend(config.simulated).discover())
         plan = inventory.plan[APPLE]
@@ -208,9 +279,8 @@ async def bench_list_building(figures: list[Figure]) -> None:
             inventory.snapshot.device_list(APPLE)
             samples.append(time.perf_counter() - began)
         median = statistics.median(samples) * 1000
-        figures.append(Figure(f"ListAndWatch list rebuilt after a health change and serialised, "
-                              f"{len(plan.units)} units", median, "ms",
-                              "≤ 20 ms" if units == 10000 else "report", median <= 20 if units == 10000 else None))
+        figures.append(Figure(f"ListAndWatch list rebuilt after a health change and encoded, "
+                              f"{len(plan.units):,} units", median, "ms", "report"))
 
 
 def dra_config(gpus: int) -> str:
@@ -222,6 +292,11 @@ def dra_config(gpus: int) -> str:
     return f"version: v1\nbackend: simulated\nsimulated:\n  gpus:\n{entries}"
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _published(api: ApiStandIn) -> int:
     # Straight from the store: list() deep-copies, and polling 10,000 devices that way would load the machine.
     return sum(len(obj["spec"].get("devices", [])) for (plural, _, _), obj in api.objects.items()
@@ -230,8 +305,8 @@ def _published(api: ApiStandIn) -> int:
 
 def _split(log: Path) -> str:
     """Where the driver's time went, from its debug log: reading the claims from the API, and its own work."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if "reading them took" in line]
-    return lines[-1].split(": ", 1)[-1].split(" claim(s): ", 1)[-1] if lines else "no timing in the driver log"
+    lines = [line for line in log.read_text(errors="replace").splitlines() if "(reading and planning them" in line]
+    return lines[-1].rsplit(" (", 1)[-1].rstrip(")") if lines else "no timing in the driver log"
 
 
 def tmpfs_dir(workdir: Path) -> Path:
@@ -260,20 +335,27 @@ async def bench_dra(workdir: Path, figures: list[Figure]) -> None:
             [sys.executable, "-m", "gpuppetti", "dra", "--config", str(root / "config.yaml"), "--node-name", NODE,
              "--registry-dir", str(root / "registry"), "--plugins-dir", str(root / "plugins"), "--cdi-dir",
              str(cdi_dir), "--kubeconfig", str(root / "kubeconfig"), "--http-address", "",
-             "--log-level", "debug"], stdout=log, stderr=subprocess.STDOUT)
+             "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT)
         try:
             try:
                 await kubelet.wait_registered(DRIVER, timeout=60)
             except TimeoutError:
                 raise RuntimeError(f"the DRA driver did not register:\n{(root / 'driver.log').read_text()}") from None
 
+            registered_cpu = _cpu_seconds(process.pid)
             async with asyncio.timeout(120):
                 while _published(api) < devices:
                     await asyncio.sleep(0.01)
             seconds = time.monotonic() - began
+            cpu = _cpu_seconds(process.pid)
             slices = len(api.list("resourceslices"))
-            figures.append(Figure(f"DRA ResourceSlices published, {devices} devices", seconds * 1000, "ms", "report",
-                                  None, f"{slices} slice(s), from process start"))
+            judged = devices == 10000
+            publishing = cpu - registered_cpu
+            figures.append(Figure(
+                f"DRA driver CPU to publish {devices:,} devices", publishing, "s", "≤ 0.8 s" if judged else "report",
+                publishing <= 0.8 if judged else None,
+                f"{slices} slice(s), from the kubelet's registration to the last device in the API; the process "
+                f"from its start {cpu:.2f} s of CPU, {seconds * 1000:,.0f} ms wall"))
             if devices > 1000:
                 continue
             claims = []
@@ -291,9 +373,9 @@ async def bench_dra(workdir: Path, figures: list[Figure]) -> None:
             answers = await kubelet.call(DRIVER, "prepare", claims)
             elapsed = (time.perf_counter() - began) * 1000
             errors = [a.error for a in answers.values() if a.error]
-            goal = "≤ 200 ms" if len(claims) == 100 else "report"
-            figures.append(Figure(f"DRA NodePrepareResources, {len(claims)} claims in one call", elapsed, "ms", goal,
-                                  elapsed <= 200 if len(claims) == 100 else None,
+            judged = len(claims) == 1000
+            figures.append(Figure(f"DRA NodePrepareResources, {len(claims):,} claims in one call", elapsed, "ms",
+                                  "≤ 300 ms" if judged else "report", elapsed <= 300 if judged else None,
                                   f"{len(list(cdi_dir.glob('*.json')))} CDI specs written to {cdi_dir.parent}; "
                                   + _split(root / "driver.log")
                                   + (f"; {len(errors)} errors: {errors[0]}" if errors else "")))
@@ -309,12 +391,21 @@ async def bench_dra(workdir: Path, figures: list[Figure]) -> None:
             shutil.rmtree(cdi_dir, ignore_errors=True)
 
 
+def number(value: float) -> str:
+    """As people read numbers: 1,070 and 12.5 and 0.23, never 1.07e+03."""
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:,.1f}"
+    return f"{value:.2f}"
+
+
 def render(figures: list[Figure], console: Console) -> None:
     table = Table(title="gpuppetti benchmarks", title_justify="left")
     for column in ("figure", "value", "goal", "met", "detail"):
         table.add_column(column)
     for figure in figures:
-        value = "-" if figure.value is None else f"{figure.value:.3g} {figure.unit}"
+        value = "-" if figure.value is None else f"{number(figure.value)} {figure.unit}"
         met = {True: "[green]yes[/green]", False: "[red]no[/red]", None: ""}[figure.met]
         table.add_row(figure.name, value, figure.goal, met, figure.detail)
     console.print(table)
@@ -325,12 +416,16 @@ async def main_async(args: argparse.Namespace) -> list[Figure]:
     workdir = Path(tempfile.mkdtemp(prefix="gp-bench-", dir="/tmp"))
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("plugin basics", lambda: bench_plugin_basics(workdir, args.idle_seconds, figures)),
-        *[(f"{units} units", lambda units=units: bench_size(workdir, units, args.calls, figures)) for units in SIZES],
+        *[(f"{units} units", lambda units=units: bench_size(workdir, units, args.calls, figures))
+          for units in PLUGIN_SIZES],
         ("DRA", lambda: bench_dra(workdir, figures)),
     ]
     try:
-        await bench_list_building(figures)
+        if not args.only:
+            await bench_list_building(figures)
         for label, step in steps:
+            if args.only and not any(word in label for word in args.only):
+                continue
             print(f"bench: {label}...", file=sys.stderr, flush=True)
             await step()
     finally:
@@ -343,6 +438,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--idle-seconds", type=float, default=30.0, help="how long to measure idle CPU (default 30)")
     parser.add_argument("--calls", type=int, default=2000, help="Allocate calls per size (default 2000)")
+    parser.add_argument("--only", nargs="*", default=[], metavar="WORD",
+                        help="run only the steps whose label has one of these words (plugin, units, DRA, ...)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     figures = asyncio.run(main_async(args))

@@ -42,11 +42,14 @@ class Cluster:
     def plugin_dir(self) -> Path:
         return self.root / "plugins" / DRIVER
 
-    def start_driver(self, config_text: str | None = TWO_M3_MAX) -> DaemonProcess:
+    def start_driver(self, config_text: str | None = TWO_M3_MAX, api_timeout: float | None = None,
+                     umask: int | None = None) -> DaemonProcess:
         args = ["dra", "--node-name", NODE, "--registry-dir", str(self.root / "registry"),
                 "--plugins-dir", str(self.root / "plugins"), "--cdi-dir", str(self.cdi_dir),
                 "--kubeconfig", str(self.kubeconfig)]
-        process = DaemonProcess(args, config_text, self.root, f"dra-{len(self.started)}")
+        if api_timeout is not None:
+            args += ["--api-timeout", str(api_timeout)]
+        process = DaemonProcess(args, config_text, self.root, f"dra-{len(self.started)}", umask=umask)
         self.started.append(process)
         return process
 

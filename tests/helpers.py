@@ -48,7 +48,7 @@ class DaemonProcess:
     """A long-running ``gpuppetti`` command started as its own process, with its log kept in a file."""
 
     def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, umask: int | None = None) -> None:
         self.config_path: Path | None = None
         if config_text is not None:
             self.config_path = workdir / f"{name}-config.yaml"
@@ -62,7 +62,8 @@ class DaemonProcess:
         if args[0] in ("plugin", "dra") and "--http-address" not in args:
             args = [*args, "--http-address", "127.0.0.1:0"]
         self.process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *args, "--log-level", "debug"],
-                                        stdout=self._log, stderr=subprocess.STDOUT, env=environment)
+                                        stdout=self._log, stderr=subprocess.STDOUT, env=environment,
+                                        umask=-1 if umask is None else umask)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

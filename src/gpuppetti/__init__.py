@@ -1,8 +1,5 @@
 """gpuppetti: GPU sharing for Kubernetes that does not assume NVIDIA."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("gpuppetti")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without installing
-    __version__ = "0.0.0+unknown"
+# The one place the version is written: pyproject.toml reads it from here. A literal, so that knowing it costs
+# the running daemons nothing (importlib.metadata would cost megabytes).
+__version__ = "0.1.0"

@@ -7,11 +7,12 @@ podman 4.3 among them) reject newer versions outright.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuppetti.fsutil import atomic_write, remove_file
+from gpuppetti.fsutil import atomic_write, make_directory, remove_file
 from gpuppetti.model import ContainerEdits
 
 DEFAULT_KIND = "gpu.gpuppetti.dev/gpu"
@@ -94,14 +95,37 @@ def spec_filename(kind: str, identifier: str | None = None) -> str:
     return f"{spec_prefix(kind)}_{identifier}.json" if identifier else f"{spec_prefix(kind)}.json"
 
 
+def _encode(spec: dict[str, Any]) -> bytes:
+    # Compact: the C encoder writes it; the indenting one is pure Python.
+    return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
 def write_spec(directory: Path, filename: str, spec: dict[str, Any]) -> Path:
     """Atomically, since runtimes read specs at any moment; not durably, since /var/run/cdi is tmpfs anyway and
-    every writer here re-creates its specs when it starts (the DRA driver from its checkpoint). Compact JSON: the
-    C encoder writes it, the indenting one is pure Python. Readable by the runtime whatever the umask."""
+    every writer here re-creates its specs when it starts (the DRA driver from its checkpoint). Readable by the
+    runtime whatever the umask."""
     path = directory / filename
-    atomic_write(path, json.dumps(spec, sort_keys=True, separators=(",", ":")).encode() + b"\n", mode=0o644,
-                 durable=False)
+    atomic_write(path, _encode(spec), mode=0o644, durable=False)
     return path
+
+
+def write_specs(directory: Path, specs: Mapping[str, dict[str, Any]]) -> dict[str, OSError]:
+    """Write many specs (by file name) into one directory; returns the error of each that failed. A DRA call can
+    carry a thousand claims, so the directory is made sure of once and paths stay strings. Each spec is renamed
+    into place from a temporary file beside it: runtimes' CDI caches refresh on a rename (or a write) in the
+    directory, not on a file merely appearing (neither linked in from O_TMPFILE nor moved in from elsewhere)."""
+    try:
+        make_directory(directory)
+    except OSError as exc:
+        return dict.fromkeys(specs, exc)
+    base = os.fspath(directory)
+    failed: dict[str, OSError] = {}
+    for filename, spec in specs.items():
+        try:
+            atomic_write(f"{base}/{filename}", _encode(spec), mode=0o644, durable=False, make_parent=False)
+        except OSError as exc:
+            failed[filename] = exc
+    return failed
 
 
 def remove_spec(directory: Path, filename: str) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# First, before the imports that take most of a second: a SIGHUP during start-up must not end a daemon.
+from gpuppetti import earlysignals
+
+earlysignals.install()
+
 import argparse
 import asyncio
 import json
@@ -27,7 +32,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = earlysignals.EXIT_INTERRUPTED
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -157,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"where CDI specs are written (default {DEFAULT_CDI_DIR})")
     dra.add_argument("--kubeconfig", type=Path, default=_env_path("KUBECONFIG"), metavar="PATH",
                      help="kubeconfig for the API server (env KUBECONFIG; default: the in-cluster service account)")
+    dra.add_argument("--api-timeout", type=float, default=float(os.environ.get("GPUPPETTI_API_TIMEOUT", "10")),
+                     metavar="SECONDS",
+                     help="the longest one request to the API server may take, connect to last byte; a claim read "
+                     "that takes longer fails that claim, and the kubelet retries (env GPUPPETTI_API_TIMEOUT; "
+                     "default 10)")
     _add_discovery(dra)
     _add_http(dra)
     _add_common(dra)
@@ -240,6 +250,7 @@ def _fail(message: str, code: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
+    earlysignals.started()
     try:
         if args.command == "plugin":
             return _plugin(args)
@@ -318,7 +329,7 @@ def _dra(args: argparse.Namespace) -> int:
     from gpuppetti.dra.run import DraOptions, run_dra
 
     options = DraOptions(args.node_name, args.registry_dir, args.plugins_dir, args.cdi_dir, args.kubeconfig,
-                         args.http_address)
+                         args.http_address, args.api_timeout)
     return _run_daemon(run_dra(_sources(args), options))
 
 

@@ -220,8 +220,12 @@ def default_config() -> Config:
     return Config(version="v1")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which plain YAML silently resolves to the last one."""
+# libyaml's parser where it is installed (it is, with PyYAML's wheels): ten times the pure-Python one's speed.
+_SafeLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _UniqueKeyLoader(_SafeLoader):  # type: ignore[valid-type, misc]
+    """A safe loader that rejects duplicate keys, which plain YAML silently resolves to the last one."""
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -233,7 +237,8 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
                 None, None, f"duplicate key {key!r}", key_node.start_mark
             )
         seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
+    mapping: dict[Any, Any] = loader.construct_mapping(node, deep=deep)
+    return mapping
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -25,6 +26,8 @@ def sync_directory(directory: Path) -> None:
 
 def make_directory(path: Path, mode: int = 0o755) -> None:
     """Create ``path`` and its missing parents with ``mode``, whatever the umask; an existing one is left alone."""
+    if os.path.isdir(path):
+        return
     missing: list[Path] = []
     current = path
     while not current.exists() and current != current.parent:
@@ -38,30 +41,44 @@ def make_directory(path: Path, mode: int = 0o755) -> None:
         raise NotADirectoryError(f"{path} is not a directory")
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
+def atomic_write(path: Path | str, data: bytes, mode: int = 0o644, durable: bool = True,
+                 make_parent: bool = True) -> None:
     """Write ``data`` to ``path`` atomically: readers see the old content or the new, never half of it.
 
     ``durable`` also fsyncs the file and the directory, so the new content survives a power cut; files that are
-    re-derived from durable state at start can skip that cost. Concurrent writers to one path are safe: each has
-    its own temporary file, and the last rename wins.
+    re-derived from durable state at start can skip that cost. Concurrent writers to one path are safe: each
+    thread of each process has its own temporary file, and the last rename wins. A caller writing many files into
+    one directory it made sure of passes ``make_parent=False``.
     """
-    directory = path.parent
-    make_directory(directory)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    # Strings rather than Path objects: a CDI spec per claim, a thousand claims per call, and Path costs add up.
+    target = os.fspath(path)
+    directory, name = os.path.split(target)
+    if make_parent:
+        make_directory(Path(directory))
+    temporary = f"{directory}/.{name}.{os.getpid()}-{threading.get_ident()}.tmp"
     try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)
-            handle.write(data)
+        # O_EXCL creates the file or fails, and never follows a symlink planted at that name.
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        # Left by a crash, or planted: not ours to trust. A random name instead.
+        fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(temporary, path)
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
     if durable:
-        sync_directory(directory)
+        sync_directory(Path(directory))
 
 
 def remove_file(path: Path) -> bool:

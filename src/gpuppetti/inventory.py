@@ -45,9 +45,15 @@ class Snapshot:
         return self._lists.get(resource, b"")
 
 
-def _identity(gpus: Mapping[str, Gpu]) -> dict[str, Gpu]:
-    """What the plan and the pool depend on: everything about the GPUs but their health."""
-    return {gpu_id: dataclasses.replace(gpu, health=Health.HEALTHY) for gpu_id, gpu in gpus.items()}
+def _same_but_health(new: Mapping[str, Gpu], old: Mapping[str, Gpu]) -> bool:
+    """Whether the GPUs differ at most in health: what the plan and the pool depend on is everything else."""
+    if new.keys() != old.keys():
+        return False
+    for gpu_id, gpu in new.items():
+        before = old[gpu_id]
+        if gpu != before and dataclasses.replace(gpu, health=before.health) != before:
+            return False
+    return True
 
 
 class Inventory:
@@ -58,7 +64,7 @@ class Inventory:
         self._changed = asyncio.Event()
 
     def _build(self, version: int, config: Config, gpus: dict[str, Gpu], previous: Snapshot | None) -> Snapshot:
-        same_gpus = previous is not None and _identity(gpus) == _identity(previous.gpus)
+        same_gpus = previous is not None and _same_but_health(gpus, previous.gpus)
         gpu_list = list(gpus.values())
         if previous is not None and same_gpus and config.sharing == previous.config.sharing:
             plan = previous.plan

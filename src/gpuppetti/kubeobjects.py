@@ -6,7 +6,7 @@ writing leaves out what is unset, so that the objects stay as small as the API a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Required, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -80,77 +80,105 @@ class ResourceClaim(_Object):
     status: ClaimStatus = Field(default_factory=ClaimStatus)
 
 
-# -- ResourceSlice (written) ------------------------------------------------------------------------------------
+class ResourceClaimList(_Object):
+    items: list[ResourceClaim] = Field(default_factory=list)
 
 
-class Attribute(_Object):
-    string: str | None = None
-    integer: int | None = Field(default=None, alias="int")
-    boolean: bool | None = Field(default=None, alias="bool")
-    version: str | None = None
+# -- ResourceSlice (written, and read back for its name, version and generation) ------------------------------
+# What the driver writes is built as typed dicts: a pool of 10,000 devices is 100,000 small objects, and model
+# instances of each would cost the publisher more than the API calls do.
 
 
-class ValidRange(_Object):
+class Attribute(TypedDict, total=False):
+    string: str
+    int: int
+    bool: bool
+    version: str
+
+
+class ValidRange(TypedDict):
     min: str
     max: str
     step: str
 
 
-class RequestPolicy(_Object):
+class RequestPolicy(TypedDict):
     default: str
-    valid_range: ValidRange
+    validRange: ValidRange
 
 
-class DeviceCapacity(_Object):
+class DeviceCapacity(TypedDict, total=False):
+    value: Required[str]
+    requestPolicy: RequestPolicy
+
+
+class Counter(TypedDict):
     value: str
-    request_policy: RequestPolicy | None = None
 
 
-class Counter(_Object):
-    value: str
-
-
-class CounterConsumption(_Object):
-    counter_set: str
+class CounterConsumption(TypedDict):
+    counterSet: str
     counters: dict[str, Counter]
 
 
-class Taint(_Object):
+class Taint(TypedDict):
     key: str
-    value: str | None = None
+    value: str
     effect: Literal["NoSchedule", "NoExecute", "None"]
 
 
-class Device(_Object):
-    name: str
-    attributes: dict[str, Attribute] = Field(default_factory=dict)
-    capacity: dict[str, DeviceCapacity] = Field(default_factory=dict)
-    allow_multiple_allocations: bool | None = None
-    consumes_counters: list[CounterConsumption] | None = None
-    taints: list[Taint] | None = None
+class Device(TypedDict, total=False):
+    name: Required[str]
+    attributes: dict[str, Attribute]
+    capacity: dict[str, DeviceCapacity]
+    allowMultipleAllocations: bool
+    consumesCounters: list[CounterConsumption]
+    taints: list[Taint]
 
 
-class CounterSet(_Object):
+class CounterSet(TypedDict):
     name: str
     counters: dict[str, Counter]
 
 
-class Pool(_Object):
+class SliceSpec(TypedDict, total=False):
+    driver: Required[str]
+    nodeName: str
+    pool: Required[PoolRef]
+    devices: list[Device]
+    sharedCounters: list[CounterSet]
+
+
+class PoolRef(TypedDict):
     name: str
     generation: int
-    resource_slice_count: int
+    resourceSliceCount: int
 
 
-class SliceSpec(_Object):
-    driver: str
-    node_name: str | None = None
-    pool: Pool
-    devices: list[Device] | None = None
-    shared_counters: list[CounterSet] | None = None
+class SliceMeta(TypedDict, total=False):
+    name: Required[str]
+    labels: dict[str, str]
+    ownerReferences: list[dict[str, Any]]
+    resourceVersion: str
+
+
+class ResourceSliceBody(TypedDict):
+    apiVersion: str
+    kind: str
+    metadata: SliceMeta
+    spec: SliceSpec
+
+
+class SlicePool(_Object):
+    generation: int = 0
+
+
+class SliceSpecRead(_Object):
+    pool: SlicePool = Field(default_factory=SlicePool)
 
 
 class ResourceSlice(_Object):
-    api_version: str = RESOURCE_API
-    kind: str = "ResourceSlice"
-    metadata: ObjectMeta
-    spec: SliceSpec
+    """A slice as listed: what the publisher compares with what it wrote."""
+
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: SliceSpecRead = Field(default_factory=SliceSpecRead)

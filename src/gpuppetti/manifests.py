@@ -253,7 +253,8 @@ def dra_driver(options: Options) -> list[dict[str, Any]]:
          "rules": [
              {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
               "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-             {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]},
+             # list: a kubelet call that names many claims of one namespace reads them in one request.
+             {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list"]},
              {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
          ]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from gpuppetti.inventory import Snapshot
 from gpuppetti.model import Gpu
 from gpuppetti.quantity import format_bytes
+
+if TYPE_CHECKING:
+    # The daemons serve records, never tables: rich is loaded by the commands that print.
+    from rich.table import Table
 
 
 def _advertised(inventory: Snapshot) -> dict[str, tuple[str, int]]:
@@ -58,6 +60,8 @@ def gpu_table(inventory: Snapshot, title: str = "GPUs") -> Table:
 
 
 def records_table(records: list[dict[str, Any]], title: str = "GPUs") -> Table:
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left")
     for column in ("GPU", "vendor", "model", "cores", "memory", "device nodes", "NUMA", "health", "backend",
                    "facts", "resource", "slices"):

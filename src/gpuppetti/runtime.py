@@ -16,6 +16,8 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from gpuppetti import earlysignals
+
 log = logging.getLogger(__name__)
 
 # Sockets, checkpoints and directories get explicit modes; anything else the process creates is private.
@@ -64,6 +66,9 @@ class Runtime:
         os.umask(UMASK)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        if earlysignals.take_pending_hangup():
+            log.info("received SIGHUP during start-up; reloading once started")
+            self.reload_requested.set()
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group

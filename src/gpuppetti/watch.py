@@ -32,10 +32,12 @@ class DirEvent:
     name: str
 
 
-async def watch_directory(directory: Path) -> AsyncIterator[DirEvent]:
-    """Yield creations and deletions of entries directly in ``directory``."""
+async def watch_directory(directory: Path, creations: bool = True, moves: bool = True) -> AsyncIterator[DirEvent]:
+    """Yield creations and deletions of entries directly in ``directory``; renames count as both. A watcher that
+    cares only about files being deleted passes ``creations=False, moves=False``, and the kernel does not even
+    report the rest (a process that renames a thousand files into place makes no noise for it)."""
     if sys.platform.startswith("linux"):
-        async for event in _inotify_events(directory):
+        async for event in _inotify_events(directory, creations, moves):
             yield event
     else:
         log.warning("inotify is not available on %s; watching %s by polling every %.1fs",
@@ -44,10 +46,14 @@ async def watch_directory(directory: Path) -> AsyncIterator[DirEvent]:
             yield event
 
 
-async def _inotify_events(directory: Path) -> AsyncIterator[DirEvent]:
+async def _inotify_events(directory: Path, creations: bool, moves: bool) -> AsyncIterator[DirEvent]:
     from asyncinotify import Inotify, Mask
 
-    mask = Mask.CREATE | Mask.DELETE | Mask.MOVED_TO | Mask.MOVED_FROM | Mask.DELETE_SELF | Mask.MOVE_SELF
+    mask = Mask.DELETE | Mask.DELETE_SELF | Mask.MOVE_SELF
+    if moves:
+        mask |= Mask.MOVED_FROM | (Mask.MOVED_TO if creations else Mask(0))
+    if creations:
+        mask |= Mask.CREATE
     with Inotify() as inotify:
         inotify.add_watch(directory, mask)
         yield DirEvent(Change.READY, "")

@@ -24,6 +24,9 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 Validator = Callable[[dict[str, Any]], None]
+# A fault to play for a request (method, path and query): "hang" (never answer), "drop" (cut the connection without
+# an answer), "garbage" (a watch whose next event is not JSON), or None to answer as usual.
+Fault = Callable[[str, str], str | None]
 HISTORY = 5000
 
 
@@ -124,10 +127,14 @@ class ApiStandIn:
     _runner: web.AppRunner | None = None
     _closing: bool = False
     url: str = ""
+    fault: Fault | None = None
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
 
     # -- running ------------------------------------------------------------------------------------------
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._closing = False
+        self._stopped = asyncio.Event()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, handle_signals=False)
@@ -138,13 +145,21 @@ class ApiStandIn:
         return self.url
 
     async def stop(self) -> None:
-        # Open watches would otherwise hold the server up until their timeouts.
+        # Open watches (and hung requests) would otherwise hold the server up until their timeouts.
         self._closing = True
+        self._stopped.set()
         async with self._changed:
             self._changed.notify_all()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def restart(self, down_for: float = 0.0) -> None:
+        """As an API server restart does: every connection cut, the same address back after ``down_for``."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        await self.stop()
+        await asyncio.sleep(down_for)
+        await self.start(host, int(port))
 
     def kubeconfig(self) -> str:
         return json.dumps({
@@ -306,13 +321,20 @@ class ApiStandIn:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append((request.method, request.path_qs))
+        action = self.fault(request.method, request.path_qs) if self.fault is not None else None
+        if action == "hang":
+            await self._stopped.wait()
+            return web.Response(status=503)
+        if action == "drop" and request.transport is not None:
+            request.transport.abort()
+            return web.Response(status=503)
         try:
             kind, namespace, name, sub = self._route(request.path)
             if sub not in (None, "status") or (sub == "status" and not kind.status):
                 raise ApiError(404, "NotFound", f"no subresource {sub!r} for {kind.plural}")
             if request.method == "GET" and name is None:
                 if request.query.get("watch", "").lower() in ("true", "1"):
-                    return await self._watch(request, kind, namespace)
+                    return await self._watch(request, kind, namespace, garbage=action == "garbage")
                 return web.json_response(self._list(request, kind, namespace))
             if request.method == "GET":
                 return web.json_response(self._get(kind, namespace, name or ""))
@@ -380,7 +402,8 @@ class ApiStandIn:
                 return False
         return not self._closing
 
-    async def _watch(self, request: web.Request, kind: Kind, namespace: str) -> web.StreamResponse:
+    async def _watch(self, request: web.Request, kind: Kind, namespace: str,
+                     garbage: bool = False) -> web.StreamResponse:
         since_text = request.query.get("resourceVersion", "")
         timeout = float(request.query.get("timeoutSeconds", "1800"))
         pending: list[_Event] = []
@@ -397,6 +420,11 @@ class ApiStandIn:
                        if self._matches(request, kind, namespace, plural, ns, obj)]
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
+        if garbage:
+            # A payload error: half an event, then the end of the stream.
+            await response.write(b'{"type": "MODIFIED", "object": {"metadata": \n')
+            await response.write_eof()
+            return response
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:

@@ -76,7 +76,7 @@ def resolve_request(snapshot: Snapshot, resource: str, ids: Sequence[str]) -> li
         raise RequestError(f"{resource}: the container request names no device ids")
     if plan is None:
         raise RequestError(f"{resource}: this plugin no longer advertises the resource; unknown ids {quoted(ids)}")
-    duplicates = sorted(i for i, n in Counter(ids).items() if n > 1)
+    duplicates = sorted(i for i, n in Counter(ids).items() if n > 1) if len(set(ids)) != len(ids) else []
     if duplicates:
         raise RequestError(f"{resource}: device ids requested more than once: {quoted(duplicates)}")
     unknown = [i for i in ids if i not in plan.by_id]
@@ -106,6 +106,11 @@ class DevicePluginService:
         self._metrics = metrics
         self._cdi_kind = cdi_kind
         self._on_streams = on_streams
+        # Labelled once: looking a child up per call costs more than the rest of a small Allocate.
+        self._ok = metrics.allocate_requests.labels(resource, "ok")
+        self._error = metrics.allocate_requests.labels(resource, "error")
+        self._seconds = metrics.allocate_seconds.labels(resource)
+        self._units = metrics.allocated_units.labels(resource)
         # The tasks grpc runs the open ListAndWatch calls in: ending one is cancelling it.
         self._streams: list[asyncio.Task[Any]] = []
 
@@ -201,11 +206,11 @@ class DevicePluginService:
         try:
             response = await self._allocate(request, context)
         except BaseException:
-            self._metrics.allocate_requests.labels(self._resource, "error").inc()
+            self._error.inc()
             raise
         finally:
-            self._metrics.allocate_seconds.labels(self._resource).observe(time.perf_counter() - started)
-        self._metrics.allocate_requests.labels(self._resource, "ok").inc()
+            self._seconds.observe(time.perf_counter() - started)
+        self._ok.inc()
         return response
 
     async def _allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
@@ -214,6 +219,7 @@ class DevicePluginService:
         response = pb.AllocateResponse()
         snapshot = self._inventory.snapshot
         strategies = snapshot.config.plugin.device_list_strategy
+        with_cdi = "cdi-cri" in strategies or "cdi-annotations" in strategies
         for number, container in enumerate(request.container_requests):
             try:
                 units = resolve_request(snapshot, self._resource, list(container.devices_ids))
@@ -221,13 +227,15 @@ class DevicePluginService:
                 prefix = f"container request {number}: " if len(request.container_requests) > 1 else ""
                 log.warning("Allocate refused: %s%s", prefix, exc)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{prefix}{exc}")
-            gpu_ids = list(dict.fromkeys(u.gpu_id for u in units))
-            names = [cdi.qualified_name(self._cdi_kind, cdispec.device_name(snapshot.gpus[g])) for g in gpu_ids]
-            response.container_responses.append(edits_to_response(
-                container_edits(units, snapshot.gpus), strategies, names,
-                cdispec.annotation_key(self._resource, [u.id for u in units]),
-            ))
-            self._metrics.allocated_units.labels(self._resource).inc(len(units))
+            names: list[str] = []
+            annotation = ""
+            if with_cdi:
+                gpu_ids = list(dict.fromkeys(u.gpu_id for u in units))
+                names = [cdi.qualified_name(self._cdi_kind, cdispec.device_name(snapshot.gpus[g])) for g in gpu_ids]
+                annotation = cdispec.annotation_key(self._resource, [u.id for u in units])
+            response.container_responses.append(
+                edits_to_response(container_edits(units, snapshot.gpus), strategies, names, annotation))
+            self._units.inc(len(units))
             # Debug, not info: a line per Allocate costs more than the Allocate itself.
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s: allocated %s", self._resource, ", ".join(u.id for u in units))

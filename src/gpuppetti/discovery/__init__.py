@@ -12,9 +12,6 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from gpuppetti.config import Config
-from gpuppetti.discovery.drm import DrmBackend
-from gpuppetti.discovery.macos import MacosBackend
-from gpuppetti.discovery.nvml import NvmlBackend
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.model import Gpu, HealthEvent, Vendor
 
@@ -77,15 +74,17 @@ def backends_for(
     Simulated GPUs in the config are always added.
     """
     selected = choice or config.backend
-    real: dict[str, Backend] = {
-        "nvml": NvmlBackend(host_root, config.health.ignored_xids),
-        "drm": DrmBackend(host_root, config.virtio),
-        "macos": MacosBackend(),
+    # Made only when asked for: a node of simulated GPUs loads none of the hardware backends.
+    real: dict[str, Callable[[], Backend]] = {
+        "nvml": lambda: _nvml(host_root, config),
+        "drm": lambda: _drm(host_root, config),
+        "macos": _macos,
     }
     backends: list[Backend]
     if selected == "auto":
         backends = []
-        for backend in real.values():
+        for make in real.values():
+            backend = make()
             if backend.available():
                 backends.append(backend)
             else:
@@ -93,7 +92,7 @@ def backends_for(
                 if skipped is not None:
                     skipped.append(backend.looked_at())
     elif selected in real:
-        backend = real[selected]
+        backend = real[selected]()
         if not backend.runs_when_named and not backend.available():
             raise BackendUnavailable(f"backend {selected} cannot run here: {backend.looked_at()}")
         backends = [backend]
@@ -103,6 +102,24 @@ def backends_for(
         raise BackendUnavailable(f"unknown backend {selected!r}")
     backends.append(SimulatedBackend(config.simulated))
     return backends
+
+
+def _nvml(host_root: Path, config: Config) -> Backend:
+    from gpuppetti.discovery.nvml import NvmlBackend
+
+    return NvmlBackend(host_root, config.health.ignored_xids)
+
+
+def _drm(host_root: Path, config: Config) -> Backend:
+    from gpuppetti.discovery.drm import DrmBackend
+
+    return DrmBackend(host_root, config.virtio)
+
+
+def _macos() -> Backend:
+    from gpuppetti.discovery.macos import MacosBackend
+
+    return MacosBackend()
 
 
 def discover(backends: Sequence[Backend], facts: HostFacts | None = None) -> list[Gpu]:

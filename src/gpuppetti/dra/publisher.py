@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from gpuppetti.backoff import Backoff
 from gpuppetti.dra.slices import PoolContent, pool_content, resource_slices
 from gpuppetti.inventory import Inventory
 from gpuppetti.kube import ApiError, Kube
-from gpuppetti.kubeobjects import OwnerReference
+from gpuppetti.kubeobjects import OwnerReference, ResourceSliceBody
 from gpuppetti.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -119,12 +118,12 @@ class SlicePublisher:
             current = existing.pop(name, None)
             if current is not None and self._written.get(name) == current.metadata.resource_version:
                 continue
-            if current is not None:
+            if current is not None and current.metadata.resource_version:
                 body["metadata"]["resourceVersion"] = current.metadata.resource_version
             writes.append((name, body, current is None))
         limit = asyncio.Semaphore(CONCURRENT_WRITES)
 
-        async def write(name: str, body: dict[str, Any], create: bool) -> None:
+        async def write(name: str, body: ResourceSliceBody, create: bool) -> None:
             async with limit:
                 self._in_flight.add(name)
                 try:

@@ -32,7 +32,7 @@ from gpuppetti.fsutil import make_directory
 from gpuppetti.grpcutil import new_server
 from gpuppetti.httpserver import HttpServer
 from gpuppetti.instancelock import InstanceLock
-from gpuppetti.kube import Kube, api_client
+from gpuppetti.kube import REQUEST_TIMEOUT_S, Kube, api_client
 from gpuppetti.metrics import Metrics
 from gpuppetti.report import gpu_records
 from gpuppetti.runtime import Runtime, StartupError
@@ -52,6 +52,7 @@ class DraOptions:
     cdi_dir: Path = DEFAULT_CDI_DIR
     kubeconfig: Path | None = None
     http_address: str | None = None
+    api_timeout: float = REQUEST_TIMEOUT_S
 
 
 class _Socket:
@@ -111,7 +112,9 @@ async def _keep_cdi_specs(state: DraState) -> None:
             log.error("cannot create the CDI directory %s: %s", state.cdi_dir, exc.strerror or exc)
             await backoff.wait()
             continue
-        async for event in watch_directory(state.cdi_dir):
+        # Deletions only (a spec removed, the directory emptied by a reboot): the driver's own writes, each a
+        # rename from a temporary file, make no noise for it, even a thousand of them in one Prepare.
+        async for event in watch_directory(state.cdi_dir, creations=False, moves=False):
             lost = event.change is Change.DELETED and event.name.startswith(cdi.spec_prefix(state.kind))
             if lost or event.change in (Change.RESCAN, Change.READY) or state.missing_specs:
                 # Only specs of claims still prepared come back; the driver's own removals are not losses.
@@ -162,7 +165,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     except Exception as exc:
         where = options.kubeconfig or "the in-cluster service account"
         raise StartupError(f"cannot configure the Kubernetes API client from {where}: {exc}") from exc
-    kube = Kube(api)
+    kube = Kube(api, options.api_timeout)
 
     checkpoint = Checkpoint(plugin_dir / CHECKPOINT_FILE)
     try:

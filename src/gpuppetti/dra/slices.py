@@ -1,11 +1,14 @@
 """ResourceSlices (resource.k8s.io/v1) for one node's pool, serialised from the snapshot's pool and GPUs.
 
 What a device advertises (its capacity, its counters) is the sharing layer's size of it; this module only says
-it in the API's words, with the attributes the GPU has and a taint where it is unhealthy.
+it in the API's words, with the attributes the GPU has and a taint where it is unhealthy. What many devices share
+(a GPU's attributes, a size's capacity) is built once and shared, not copied: a pool can hold 10,000 devices.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -13,20 +16,16 @@ from typing import Any
 from gpuppetti import __version__
 from gpuppetti.inventory import Snapshot
 from gpuppetti.kubeobjects import (
+    RESOURCE_API,
     Attribute,
     Counter,
-    CounterConsumption,
     CounterSet,
     Device,
     DeviceCapacity,
-    ObjectMeta,
     OwnerReference,
-    Pool,
-    RequestPolicy,
-    ResourceSlice,
-    SliceSpec,
+    ResourceSliceBody,
+    SliceMeta,
     Taint,
-    ValidRange,
 )
 from gpuppetti.model import Gpu, Health
 from gpuppetti.quantity import format_quantity
@@ -48,53 +47,77 @@ def _semver(version: str) -> str:
 
 
 def _attributes(gpu: Gpu) -> dict[str, Attribute]:
-    attributes = {
-        "vendor": Attribute(string=gpu.vendor.value),
-        "model": Attribute(string=gpu.model[:MAX_STRING]),
-        "uuid": Attribute(string=(gpu.uuid or gpu.id)[:MAX_STRING]),
-        "index": Attribute(integer=gpu.index),
-        "backend": Attribute(string=gpu.backend),
-        "driverVersion": Attribute(version=_semver(__version__)),
+    attributes: dict[str, Attribute] = {
+        "vendor": {"string": gpu.vendor.value},
+        "model": {"string": gpu.model[:MAX_STRING]},
+        "uuid": {"string": (gpu.uuid or gpu.id)[:MAX_STRING]},
+        "index": {"int": gpu.index},
+        "backend": {"string": gpu.backend},
+        "driverVersion": {"version": _semver(__version__)},
     }
     if gpu.cores is not None:
-        attributes["cores"] = Attribute(integer=gpu.cores)
+        attributes["cores"] = {"int": gpu.cores}
     if gpu.pci_address:
-        attributes["resource.kubernetes.io/pciBusID"] = Attribute(string=gpu.pci_address)
+        attributes["resource.kubernetes.io/pciBusID"] = {"string": gpu.pci_address}
     return attributes
 
 
+@functools.cache
 def _q(name: str, value: Fraction) -> str:
     return format_quantity(value, binary=name == "memory")
 
 
-def _capacity(capacity: Capacity) -> DeviceCapacity:
-    if capacity.default is None or capacity.step is None:
-        return DeviceCapacity(value=_q(capacity.name, capacity.value))
-    step = _q(capacity.name, capacity.step)
-    policy = RequestPolicy(default=_q(capacity.name, capacity.default),
-                           valid_range=ValidRange(min=step, max=_q(capacity.name, capacity.value), step=step))
-    return DeviceCapacity(value=_q(capacity.name, capacity.value), request_policy=policy)
+def _capacity(capacities: tuple[Capacity, ...]) -> dict[str, DeviceCapacity]:
+    found: dict[str, DeviceCapacity] = {}
+    for capacity in capacities:
+        entry: DeviceCapacity = {"value": _q(capacity.name, capacity.value)}
+        if capacity.default is not None and capacity.step is not None:
+            step = _q(capacity.name, capacity.step)
+            entry["requestPolicy"] = {"default": _q(capacity.name, capacity.default),
+                                      "validRange": {"min": step, "max": entry["value"], "step": step}}
+        found[capacity.name] = entry
+    return found
 
 
-def _counters(amounts: dict[str, Fraction]) -> dict[str, Counter]:
-    return {name: Counter(value=_q(name, value)) for name, value in amounts.items()}
+def _counters(amounts: Mapping[str, Fraction]) -> dict[str, Counter]:
+    return {name: {"value": _q(name, value)} for name, value in amounts.items()}
 
 
-def _device(device: PoolDevice, gpu: Gpu, driver: str) -> Device:
-    attributes = _attributes(gpu)
-    consumes = None
+class _Shared:
+    """What devices share, rendered once per object: the pool's capacities and sizes are shared objects, so their
+    identity is a cheap key (hashing their Fractions is not)."""
+
+    def __init__(self) -> None:
+        self._capacities: dict[int, dict[str, DeviceCapacity]] = {}
+        self._counters: dict[int, dict[str, Counter]] = {}
+
+    def capacity(self, capacities: tuple[Capacity, ...]) -> dict[str, DeviceCapacity]:
+        found = self._capacities.get(id(capacities))
+        if found is None:
+            found = self._capacities[id(capacities)] = _capacity(capacities)
+        return found
+
+    def counters(self, device: PoolDevice) -> dict[str, Counter]:
+        found = self._counters.get(id(device.size))
+        if found is None:
+            found = self._counters[id(device.size)] = _counters(device.size.amounts())
+        return found
+
+
+def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driver: str, shared: _Shared) -> Device:
+    body: Device = {"name": device.name, "attributes": attributes, "capacity": shared.capacity(device.capacity)}
+    if device.consumable:
+        body["allowMultipleAllocations"] = True
     if device.counter_set is not None:
-        attributes["partitions"] = Attribute(integer=device.partitions)
+        own = {**attributes, "partitions": Attribute(int=device.partitions)}
         if device.partitions > 1:
-            attributes["partition"] = Attribute(integer=device.part)
-        consumes = [CounterConsumption(counter_set=device.counter_set, counters=_counters(device.size.amounts()))]
-    taints = None
+            own["partition"] = {"int": device.part}
+        body["attributes"] = own
+        body["consumesCounters"] = [{"counterSet": device.counter_set, "counters": shared.counters(device)}]
     if gpu.health is not Health.HEALTHY:
-        taints = [Taint(key=f"{driver}/{UNHEALTHY_TAINT}", value="true", effect="NoSchedule")]
-    return Device(
-        name=device.name, attributes=attributes, capacity={c.name: _capacity(c) for c in device.capacity},
-        allow_multiple_allocations=True if device.consumable else None, consumes_counters=consumes, taints=taints,
-    )
+        taint: Taint = {"key": f"{driver}/{UNHEALTHY_TAINT}", "value": "true", "effect": "NoSchedule"}
+        body["taints"] = [taint]
+    return body
 
 
 @dataclass(frozen=True)
@@ -107,12 +130,19 @@ class PoolContent:
 def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
     driver = snapshot.config.dra.driver_name
     pool = snapshot.pool
-    devices = [_device(device, snapshot.gpus[device.gpu_id], driver).body() for device in pool.devices.values()]
+    attributes: dict[str, dict[str, Attribute]] = {}
+    shared = _Shared()
+    devices: list[Device] = []
+    for device in pool.devices.values():
+        gpu = snapshot.gpus[device.gpu_id]
+        if gpu.id not in attributes:
+            attributes[gpu.id] = _attributes(gpu)
+        devices.append(_device(device, gpu, attributes[gpu.id], driver, shared))
     advanced = bool(pool.counter_sets) or any("taints" in body for body in devices)
     per_slice = MAX_DEVICES_ADVANCED if advanced else MAX_DEVICES
     specs: list[dict[str, Any]] = []
     # Counter sets live in slices of their own (required from Kubernetes 1.35, allowed in 1.34).
-    counter_sets = [CounterSet(name=c.name, counters=_counters(dict(c.counters))).body() for c in pool.counter_sets]
+    counter_sets: list[CounterSet] = [{"name": c.name, "counters": _counters(c.counters)} for c in pool.counter_sets]
     for start in range(0, len(counter_sets), MAX_COUNTER_SETS):
         specs.append({"sharedCounters": counter_sets[start:start + MAX_COUNTER_SETS]})
     for start in range(0, len(devices), per_slice):
@@ -131,15 +161,14 @@ def slice_name(node: str, driver: str, number: int) -> str:
 
 def resource_slices(
     content: PoolContent, node: str, driver: str, generation: int, owner: OwnerReference | None
-) -> list[dict[str, Any]]:
-    """The slices to write, as API bodies."""
-    slices = []
+) -> list[ResourceSliceBody]:
+    """The slices to write, as API bodies. The devices are shared with ``content``, not copied."""
+    slices: list[ResourceSliceBody] = []
     for number, spec in enumerate(content.specs):
-        metadata = ObjectMeta(name=slice_name(node, driver, number), labels=dict(MANAGED_BY),
-                              owner_references=[owner] if owner is not None else None)
-        pool = Pool(name=node, generation=generation, resource_slice_count=len(content.specs))
-        body = ResourceSlice(metadata=metadata, spec=SliceSpec(driver=driver, pool=pool)).body()
-        # The devices and counters were made into API bodies once per content; they are shared, not copied.
-        body["spec"] = {**spec, "pool": body["spec"]["pool"]}
-        slices.append(body)
+        metadata: SliceMeta = {"name": slice_name(node, driver, number), "labels": dict(MANAGED_BY)}
+        if owner is not None:
+            metadata["ownerReferences"] = [owner.body()]
+        pool = {"name": node, "generation": generation, "resourceSliceCount": len(content.specs)}
+        slices.append({"apiVersion": RESOURCE_API, "kind": "ResourceSlice", "metadata": metadata,
+                       "spec": {**spec, "pool": pool}})  # type: ignore[typeddict-item]
     return slices

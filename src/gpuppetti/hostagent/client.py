@@ -15,8 +15,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from gpuppetti.discovery import HostFacts
 from gpuppetti.hostagent import API_PATH
 
@@ -59,6 +57,9 @@ def facts_from(document: Any, url: str) -> HostFacts:
 
 async def fetch(url: str, token: str, timeout: float = TIMEOUT_S) -> HostFacts:
     """Ask the agent at ``url``. Raises AgentError saying what went wrong."""
+    # Only where an agent is configured: importing aiohttp costs a tenth of a second and megabytes.
+    import aiohttp
+
     target = url.rstrip("/") + API_PATH
     try:
         async with (

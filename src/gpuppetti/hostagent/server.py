@@ -11,15 +11,15 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
-
-from aiohttp import web
 
 from gpuppetti import __version__
 from gpuppetti.discovery.macos import IOREG, SYSCTL_MEMSIZE, MacosBackend, metal_working_set, parse_ioreg, run_command
 from gpuppetti.hostagent import API_PATH
 from gpuppetti.hostagent.token import matches
+from gpuppetti.webserver import Answer, Server
 
 log = logging.getLogger(__name__)
 
@@ -95,30 +95,25 @@ class HostAgent:
         self._token = token
         self.collector = collector
         self._interval = interval
-        self._runner: web.AppRunner | None = None
-        self.address = ""
+        self._server = Server({API_PATH: self._gpus}, guard=self._auth)
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if not matches(self._token, request.headers.get("Authorization")):
-            log.warning("refused a request from %s without the right token", request.remote)
-            return web.json_response({"error": "a valid bearer token is required"}, status=401,
-                                     headers={"WWW-Authenticate": 'Bearer realm="gpuppetti-host-agent"'})
-        response: web.StreamResponse = await handler(request)
-        return response
+    @property
+    def address(self) -> str:
+        return self._server.address
 
-    async def _gpus(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(self.collector.document()), content_type="application/json")
+    def _auth(self, headers: Mapping[str, str], path: str, peer: str) -> Answer | None:
+        if matches(self._token, headers.get("authorization")):
+            return None
+        log.warning("refused a request from %s without the right token", peer)
+        return Answer(401, json.dumps({"error": "a valid bearer token is required"}).encode(), "application/json",
+                      {"www-authenticate": 'Bearer realm="gpuppetti-host-agent"'})
+
+    async def _gpus(self) -> Answer:
+        return Answer.json(self.collector.document())
 
     async def start(self, host: str | None, port: int) -> None:
         await asyncio.to_thread(self.collector.collect)
-        app = web.Application(middlewares=[self._auth])
-        app.router.add_get(API_PATH, self._gpus)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
-        bound = self._runner.addresses[0]
-        self.address = f"{bound[0]}:{bound[1]}"
+        await self._server.start(host, port)
         log.info("host agent serving %s on http://%s", API_PATH, self.address)
 
     async def refresh_forever(self) -> None:
@@ -137,6 +132,4 @@ class HostAgent:
             await self.stop()
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._server.stop()

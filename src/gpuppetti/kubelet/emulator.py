@@ -206,6 +206,7 @@ class KubeletEmulator:
     async def _list_and_watch(self, endpoint: PluginEndpoint) -> None:
         try:
             async for response in endpoint.stub.ListAndWatch(pb.Empty()):
+                arrived = time.monotonic()
                 # Every response is the complete list: rebuild from scratch, as the kubelet does.
                 endpoint.devices = {device.ID: device.health for device in response.devices}
                 endpoint.topology = {
@@ -213,7 +214,8 @@ class KubeletEmulator:
                 }
                 endpoint.updates += 1
                 healthy = sum(1 for h in endpoint.devices.values() if h == HEALTHY)
-                self._record("list", endpoint.resource, f"{len(endpoint.devices)} devices, {healthy} healthy")
+                self._record("list", endpoint.resource, f"{len(endpoint.devices)} devices, {healthy} healthy",
+                             at=arrived)
                 await self._notify()
         except grpc.aio.AioRpcError as exc:
             self._record("stream-ended", endpoint.resource, f"{exc.code().name}: {exc.details()}")
@@ -236,8 +238,8 @@ class KubeletEmulator:
 
     # -- observation ---------------------------------------------------------------------------------------
 
-    def _record(self, kind: str, resource: str, detail: str = "") -> None:
-        self.events.append(Event(time.monotonic(), kind, resource, detail))
+    def _record(self, kind: str, resource: str, detail: str = "", at: float | None = None) -> None:
+        self.events.append(Event(time.monotonic() if at is None else at, kind, resource, detail))
         log.debug("kubelet: %s %s %s", kind, resource, detail)
 
     async def _notify(self) -> None:

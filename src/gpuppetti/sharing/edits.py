@@ -40,6 +40,8 @@ def vendor_env(gpus: Sequence[Gpu]) -> dict[str, str]:
     """The selection env of each vendor's runtime for these GPUs (simulated GPUs get none)."""
     real = [gpu for gpu in gpus if not gpu.simulated]
     env: dict[str, str] = {}
+    if not real:
+        return env
     nvidia = [gpu for gpu in real if gpu.vendor is Vendor.NVIDIA and gpu.uuid]
     if nvidia:
         uuids = ",".join(gpu.uuid or "" for gpu in nvidia)

@@ -6,6 +6,7 @@ told it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -13,7 +14,7 @@ from types import MappingProxyType
 
 from gpuppetti.config import DraSection
 from gpuppetti.model import Gpu
-from gpuppetti.sharing.size import Size
+from gpuppetti.sharing.size import Size, part_size
 
 # The smallest amount of each capacity a consumable claim can take, and the step it takes it in.
 CONSUMABLE_STEP: Mapping[str, Fraction] = MappingProxyType(
@@ -68,17 +69,23 @@ def counter_set_name(gpu: Gpu) -> str:
     return f"{gpu_device_name(gpu)}-counters"
 
 
-def _plain(size: Size) -> tuple[Capacity, ...]:
-    return tuple(Capacity(name, value) for name, value in size.amounts().items())
+@functools.cache
+def _plain(cores: int | None, memory: int | None, parts: int) -> tuple[Capacity, ...]:
+    return tuple(Capacity(name, value) for name, value in part_size(cores, memory, parts).amounts().items())
 
 
 def consumable_capacity(gpu: Gpu, shares: int) -> tuple[Capacity, ...]:
+    return _consumable(gpu.cores, gpu.memory_bytes, shares)
+
+
+@functools.cache
+def _consumable(cores: int | None, memory: int | None, shares: int) -> tuple[Capacity, ...]:
     """Each capacity with a request policy. A claim that names none takes 1/shares of each; a claim that names some
     takes what it names, and of the others only the minimum: the scheduler charges a capacity's default to every
     claim that leaves it out, so a default share of 1/shares would cap a GPU at ``shares`` claims however little
     each asks for. ``share`` then keeps its 1/shares default only for a GPU whose cores and memory are unknown."""
-    whole = Size.whole(gpu).amounts()
-    default = Size.of(gpu, Fraction(1, shares)).amounts()
+    whole = part_size(cores, memory, 1).amounts()
+    default = part_size(cores, memory, shares).amounts()
     measured = "cores" in whole or "memory" in whole
     capacity = []
     for name, total in whole.items():
@@ -96,19 +103,21 @@ def build_pool(gpus: Iterable[Gpu], section: DraSection) -> Pool:
     for gpu in gpus:
         base = gpu_device_name(gpu)
         whole = Size.whole(gpu)
+        plain = _plain(gpu.cores, gpu.memory_bytes, 1)
         if section.slicing == "consumable":
             devices[base] = PoolDevice(base, gpu.id, whole, consumable_capacity(gpu, section.shares),
                                        consumable=True)
             continue
         if section.slicing == "whole":
-            devices[base] = PoolDevice(base, gpu.id, whole, _plain(whole))
+            devices[base] = PoolDevice(base, gpu.id, whole, plain)
             continue
         counters = counter_set_name(gpu)
         counter_sets.append(CounterSet(counters, gpu.id, MappingProxyType(whole.amounts())))
-        devices[base] = PoolDevice(base, gpu.id, whole, _plain(whole), counter_set=counters)
+        devices[base] = PoolDevice(base, gpu.id, whole, plain, counter_set=counters)
         for count in sorted(set(section.partitions)):
-            size = Size.of(gpu, Fraction(1, count))
+            size = Size.part(gpu, count)
+            capacity = _plain(gpu.cores, gpu.memory_bytes, count)
             for part in range(count):
                 name = f"{base}-p{count}-{part}"
-                devices[name] = PoolDevice(name, gpu.id, size, _plain(size), count, part, counter_set=counters)
+                devices[name] = PoolDevice(name, gpu.id, size, capacity, count, part, counter_set=counters)
     return Pool(section.slicing, MappingProxyType(devices), tuple(counter_sets))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from types import MappingProxyType
 
 from gpuppetti.config import ConfigError, TimeSlicing, resource_name_problem
@@ -101,7 +100,7 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
                 name = entry.rename
             elif time_slicing.rename_by_default and replicas > 1:
                 name = f"{base}.shared"
-        size = Size.of(gpu, Fraction(1, replicas))
+        size = Size.part(gpu, replicas)
         if replicas == 1:
             gpu_units = [Unit(id=gpu.id, gpu_id=gpu.id, resource=name, replicas=1, size=size)]
         else:

@@ -40,6 +40,9 @@ def claim_share(device: PoolDevice, gpu: Gpu, consumed: Mapping[str, str] | None
         if amounts[name] < 0:
             raise ShareError(f"device {device.name}: consumedCapacity.{name} is negative ({text!r})")
     memory = amounts.get("memory")
+    if memory is not None and memory.denominator != 1:
+        raise ShareError(f"device {device.name}: consumedCapacity.memory {consumed['memory']!r} is not a whole "
+                         "number of bytes")
     fraction = amounts.get("share")
     if fraction is None:
         # The fraction that the largest of the named amounts is of the GPU: what the claim may assume it has.

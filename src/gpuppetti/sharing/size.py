@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from types import MappingProxyType
 
 from gpuppetti.model import Gpu
 
@@ -18,22 +21,38 @@ class Size:
     memory: int | None
 
     @classmethod
-    def of(cls, gpu: Gpu, fraction: Fraction, memory: int | None = None) -> Size:
-        """``fraction`` of ``gpu``; ``memory`` overrides the fraction of the GPU's memory when given."""
-        cores = gpu.cores * fraction if gpu.cores is not None else None
-        if memory is None and gpu.memory_bytes is not None:
-            memory = int(gpu.memory_bytes * fraction)
-        return cls(fraction, cores, memory)
+    def of(cls, gpu: Gpu, fraction: Fraction) -> Size:
+        """``fraction`` of ``gpu``."""
+        memory = int(gpu.memory_bytes * fraction) if gpu.memory_bytes is not None else None
+        return cls(fraction, gpu.cores * fraction if gpu.cores is not None else None, memory)
+
+    @classmethod
+    def part(cls, gpu: Gpu, parts: int) -> Size:
+        """One of ``parts`` equal parts of ``gpu``."""
+        return part_size(gpu.cores, gpu.memory_bytes, parts)
 
     @classmethod
     def whole(cls, gpu: Gpu) -> Size:
-        return cls.of(gpu, Fraction(1))
+        return part_size(gpu.cores, gpu.memory_bytes, 1)
 
-    def amounts(self) -> dict[str, Fraction]:
-        """Per capacity name, as ResourceSlices count them: ``share`` always, ``cores`` and ``memory`` where known."""
+    @functools.cached_property
+    def _amounts(self) -> Mapping[str, Fraction]:
         found = {"share": self.fraction}
         if self.cores is not None:
             found["cores"] = self.cores
         if self.memory is not None:
             found["memory"] = Fraction(self.memory)
-        return found
+        return MappingProxyType(found)
+
+    def amounts(self) -> Mapping[str, Fraction]:
+        """Per capacity name, as ResourceSlices count them: ``share`` always, ``cores`` and ``memory`` where known."""
+        return self._amounts
+
+
+@functools.cache
+def part_size(cores: int | None, memory_bytes: int | None, parts: int) -> Size:
+    # GPUs of one model have one size per number of parts: computed once, not per GPU (Fraction arithmetic, and
+    # hashing Fractions, is slow; a node can list thousands of simulated GPUs).
+    fraction = Fraction(1, parts)
+    memory = memory_bytes // parts if memory_bytes is not None else None
+    return Size(fraction, cores * fraction if cores is not None else None, memory)

@@ -1,0 +1,47 @@
+"""Signals before the event loop runs: a SIGHUP is remembered, not fatal; a Ctrl-C ends the start quietly.
+
+A command spends a good part of a second importing before it runs, and before a daemon's runtime installs the
+loop's signal handlers. SIGHUP's default action ends a process, and a KeyboardInterrupt in the middle of an import
+prints a traceback. ``install()`` runs first thing in the command line: it notes a SIGHUP, which the runtime then
+takes as a reload request, and answers a SIGINT with one line and exit code 130 until ``main()`` takes over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+EXIT_INTERRUPTED = 130
+
+_pending = False
+
+
+def _note(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    _pending = True
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    # Nothing has started yet: nothing to clean up, and an exception here would surface as an import traceback.
+    sys.stderr.write("gpuppetti: interrupted\n")
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def install() -> None:
+    signal.signal(signal.SIGHUP, _note)
+    signal.signal(signal.SIGINT, _interrupted)
+
+
+def started() -> None:
+    """The command runs now: Ctrl-C is a KeyboardInterrupt again, which it handles."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def take_pending_hangup() -> bool:
+    """Whether a SIGHUP arrived before the runtime ran (and forget it)."""
+    global _pending
+    pending, _pending = _pending, False
+    return pending
