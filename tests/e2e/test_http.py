@@ -75,3 +75,17 @@ async def test_an_address_in_use_is_a_clear_error(
     second = start_plugin(TWO_M3_MAX, "--http-address", taken)
     assert await second.wait() == 1
     assert f"cannot listen on {taken}" in second.log()
+
+
+async def test_a_list_too_big_for_the_kubelet_is_said_not_sent(
+    plugin_dir: Path, start_plugin: Callable[..., PluginProcess]
+) -> None:
+    huge = TWO_M3_MAX.replace("count: 2", "count: 150").replace("replicas: 4", "replicas: 1024")
+    plugin = start_plugin(huge)
+    url = await plugin.http_url(timeout=60)
+    async with KubeletEmulator(plugin_dir) as kubelet:
+        await plugin.wait_for_log("not sending the device list", timeout=60)
+        status, text = await _get(f"{url}/healthz")
+        assert status == 503 and "more than the kubelet accepts (4,194,304 bytes" in text, text
+        assert kubelet.capacity("apple.com/gpu") == 0
+    assert plugin.process.poll() is None

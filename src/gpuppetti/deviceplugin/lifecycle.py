@@ -33,7 +33,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.backoff import Backoff
 from gpuppetti.deviceplugin import cdispec
-from gpuppetti.deviceplugin.server import DevicePluginService
+from gpuppetti.deviceplugin.server import DevicePluginService, too_big
 from gpuppetti.fsutil import make_directory
 from gpuppetti.grpcutil import new_server
 from gpuppetti.instancelock import InstanceLock
@@ -196,6 +196,10 @@ class DevicePluginManager:
             return self.lock.waiting_for
         if not self._resources:
             return "no resource is being served yet"
+        snapshot = self._inventory.snapshot
+        for name in sorted(self._resources):
+            if (problem := too_big(name, len(snapshot.device_list(name)))) is not None:
+                return problem
         missing = sorted(f"{name} ({sup.why})" for name, sup in self._resources.items() if not sup.registered)
         return f"not registered with the kubelet: {', '.join(missing)}" if missing else None
 

@@ -31,6 +31,16 @@ log = logging.getLogger(__name__)
 
 SERVICE = "v1beta1.DevicePlugin"
 MAX_STREAMS = 2
+# The kubelet's gRPC receive limit: a longer list (about 140,000 units) would end its stream.
+KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
+
+
+def too_big(resource: str, size: int) -> str | None:
+    """Why a list of ``size`` bytes cannot go to the kubelet; None when it can."""
+    if size <= KUBELET_MAX_MESSAGE:
+        return None
+    return (f"{resource}: the device list is {size:,} bytes, more than the kubelet accepts ({KUBELET_MAX_MESSAGE:,} "
+            "bytes, about 140,000 units): fewer replicas or fewer GPUs per resource")
 # How many offending ids an error message names before it just counts them.
 NAMED_IDS = 5
 
@@ -166,7 +176,11 @@ class DevicePluginService:
                 current = snapshot.device_list(self._resource)
                 # Changes elsewhere in the inventory need not reach this resource's kubelet.
                 if current != last:
-                    yield current
+                    if (problem := too_big(self._resource, len(current))) is not None:
+                        # Sent, it would end the kubelet's stream; not sent, it is said loudly (and on /healthz).
+                        log.error("not sending the device list: %s", problem)
+                    else:
+                        yield current
                     last = current
                 await inventory.wait_for_change(snapshot.version)
         finally:
