@@ -1,5 +1,5 @@
 # gpuppetti: one image for `gpuppetti plugin` and `gpuppetti dra`.
-# Build: podman build -t gpuppetti:dev .   (or docker build)
+# Build: make image   (podman or docker build -t localhost/gpuppetti:dev .), the image the manifests run.
 #
 # The container runs as root because the kubelet's sockets and directories (device-plugins, plugins_registry,
 # plugins, /var/run/cdi) belong to root on the node; the manifests drop every capability, forbid privilege

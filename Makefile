@@ -4,7 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit e2e lint typecheck proto deploy bench clean
+# The image the manifests run by default; podman where it is installed, else docker.
+IMAGE ?= localhost/gpuppetti:dev
+CONTAINER_TOOL ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+
+.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +18,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/gpuppetti demo
+	@echo "(gpuppetti is installed in $(BIN): '. $(BIN)/activate' puts the gpuppetti command on your PATH)"
 
 test: lint typecheck
 	$(BIN)/python -m pytest
@@ -33,6 +38,9 @@ typecheck: $(STAMP)
 
 deploy: $(STAMP)
 	$(BIN)/python tools/gen_deploy.py
+
+image:
+	$(CONTAINER_TOOL) build -t $(IMAGE) .
 
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py

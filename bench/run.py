@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, RenderableType
+from rich.text import Text
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.config import parse_config
@@ -33,6 +33,7 @@ from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.inventory import Inventory
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from gpuppetti.model import Health
+from gpuppetti.tables import Column, Prose, print_table
 from tests.standins.apiserver import ApiStandIn
 from tests.standins.dra_kubelet import ClaimKey, DraKubelet
 
@@ -401,14 +402,16 @@ def number(value: float) -> str:
 
 
 def render(figures: list[Figure], console: Console) -> None:
-    table = Table(title="gpuppetti benchmarks", title_justify="left")
-    for column in ("figure", "value", "goal", "met", "detail"):
-        table.add_column(column)
+    """The figures as a table that fits the console; the detail, which is long, goes first where it is narrow."""
+    rows: list[list[RenderableType]] = []
     for figure in figures:
         value = "-" if figure.value is None else f"{number(figure.value)} {figure.unit}"
-        met = {True: "[green]yes[/green]", False: "[red]no[/red]", None: ""}[figure.met]
-        table.add_row(figure.name, value, figure.goal, met, figure.detail)
-    console.print(table)
+        met: RenderableType = {True: Text("yes", style="green"), False: Text("no", style="red"), None: Text()}[
+            figure.met]
+        rows.append([Prose(figure.name), value, figure.goal, met, Prose(figure.detail)])
+    columns = [Column("figure"), Column("value", justify="right"), Column("goal", 3), Column("met", 4),
+               Column("detail", 1)]
+    print_table(console, "gpuppetti benchmarks", columns, rows)
 
 
 async def main_async(args: argparse.Namespace) -> list[Figure]:
@@ -443,7 +446,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     figures = asyncio.run(main_async(args))
-    render(figures, Console(width=200) if not sys.stdout.isatty() else Console())
+    render(figures, Console())
     if args.json:
         args.json.write_text(json.dumps([asdict(f) for f in figures], indent=2))
     return 0

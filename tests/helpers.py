@@ -27,9 +27,13 @@ sharing:
 """
 
 
+# What the command reads from the environment besides GPUPPETTI_*: a test states what it wants.
+CALLER_ONLY = ("NODE_NAME", "KUBECONFIG", "CONTAINER_RUNTIME_ENDPOINT", "COLUMNS", "LINES")
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``gpuppetti ARGS`` to completion, with none of the caller's GPUPPETTI_* settings, plus ``env``."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
+    """``gpuppetti ARGS`` to completion, with none of the caller's settings for it, plus ``env``."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_") and k not in CALLER_ONLY}
     environment.update(env or {})
     return subprocess.run([sys.executable, "-m", "gpuppetti", *args], capture_output=True, text=True,
                           timeout=timeout, check=False, env=environment)
@@ -131,3 +135,22 @@ def fake_nvml_env(state_file: Path) -> dict[str, str]:
     """Env that makes a subprocess import tests/fakes/pynvml.py as nvidia-ml-py."""
     return {"PYTHONPATH": os.pathsep.join([str(FAKES), os.environ.get("PYTHONPATH", "")]),
             "FAKE_NVML_STATE": str(state_file)}
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """The fenced code blocks of a Markdown text, as (language, body), indented ones included (in lists)."""
+    blocks: list[tuple[str, str]] = []
+    language: str | None = None
+    indent = ""
+    body: list[str] = []
+    for line in text.splitlines():
+        stripped = line.lstrip()
+        if language is None:
+            if stripped.startswith("```"):
+                language, indent, body = stripped[3:].strip(), line[: len(line) - len(stripped)], []
+        elif stripped.startswith("```"):
+            blocks.append((language, "".join(f"{b.removeprefix(indent)}\n" for b in body)))
+            language = None
+        else:
+            body.append(line)
+    return blocks

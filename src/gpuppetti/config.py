@@ -5,6 +5,7 @@ Every error names the file, the key path and what is wrong, so that a broken Con
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Sequence
@@ -12,10 +13,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
+from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME
+from gpuppetti.nodepaths import DEFAULT_HOST_AGENT_TOKEN_FILE
 from gpuppetti.quantity import parse_bytes, parse_duration
 from gpuppetti.strict import Strict, problems
+from gpuppetti.syntax import DNS_SUBDOMAIN, http_url_problem
 
 CONFIG_ENV = "GPUPPETTI_CONFIG"
 SUPPORTED_VERSIONS = ("v1",)
@@ -62,6 +66,7 @@ def _check_resource_name(value: object) -> object:
 ResourceName = Annotated[str, BeforeValidator(_check_resource_name)]
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
+SERVED_RESOURCE_NAMES = (*DEFAULT_RESOURCE_NAMES.values(), FALLBACK_RESOURCE_NAME)
 BACKENDS = ("auto", "simulated", "drm", "nvml", "macos")
 BackendName = Literal["auto", "simulated", "drm", "nvml", "macos"]
 # NVIDIA's list of XIDs caused by applications rather than the GPU (its health monitor ignores them too).
@@ -105,13 +110,33 @@ class HealthSection(Strict):
 class HostAgentSection(Strict):
     """Where the Mac's host agent answers, for a virtio-gpu that is really the Mac's GPU."""
 
-    url: str | None = Field(default=None, pattern=r"^https?://")
-    token_file: str = "/var/run/secrets/gpuppetti-host-agent/token"
+    url: str | None = None
+    token_file: str = DEFAULT_HOST_AGENT_TOKEN_FILE
     poll_interval: Seconds = Field(default=10.0, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and (problem := http_url_problem(value)):
+            raise ValueError(problem)
+        return value
+
+
+def _check_served_name(value: object) -> object:
+    # A GPU is offered under its vendor's name; an entry under any other name would match nothing, silently.
+    if isinstance(value, str) and (problem := resource_name_problem(value)):
+        raise ValueError(problem)
+    if isinstance(value, str) and value not in SERVED_RESOURCE_NAMES:
+        known = ", ".join(SERVED_RESOURCE_NAMES)
+        close = difflib.get_close_matches(value, SERVED_RESOURCE_NAMES, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(f"{value!r} is not a resource any GPU is offered under; {hint}each GPU's is its vendor's "
+                         f"({known}); 'rename' gives it another")
+    return value
 
 
 class ReplicatedResource(Strict):
-    name: ResourceName
+    name: Annotated[str, BeforeValidator(_check_served_name)]
     replicas: int | None = Field(default=None, ge=1, le=1024)
     # Instead of a fixed count: one replica per this many cores (10 gives 4 slices on a 40-core GPU).
     replicas_per_cores: int | None = Field(default=None, ge=1, le=10000)
@@ -164,11 +189,8 @@ def _default_partitions() -> list[PartitionCount]:
     return [2, 4, 8]
 
 
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-
-
 class DraSection(Strict):
-    driver_name: str = Field(default="gpu.gpuppetti.dev", max_length=63, pattern=DNS_SUBDOMAIN)
+    driver_name: str = Field(default="gpu.gpuppetti.dev", max_length=63, pattern=DNS_SUBDOMAIN.pattern)
     # whole: one device per GPU. partitions: per-GPU counters, and partition devices that consume them.
     # consumable: one device per GPU that many claims share, each taking part of its capacity.
     slicing: Literal["whole", "partitions", "consumable"] = "whole"

@@ -14,6 +14,7 @@ from gpuppetti.inventory import Inventory
 from gpuppetti.model import Gpu
 from gpuppetti.monitor import HealthMonitor
 from gpuppetti.runtime import StartupError
+from gpuppetti.sharing.replicas import plan_remarks
 
 __all__ = ["Discovered", "Sources", "StartupError", "load_and_discover", "reload", "start_inventory"]
 
@@ -79,8 +80,15 @@ async def start_inventory(sources: Sources) -> tuple[Inventory, HealthMonitor, D
                  describe(found.gpus))
     else:
         log.warning("%s\nserving nothing until a GPU appears", nothing_found(found))
+    warn_about_config(found.config, found.gpus)
     agent = host_agent(sources, found.config)
     return inventory, HealthMonitor(inventory, found.backends, agent), found
+
+
+def warn_about_config(config: Config, gpus: list[Gpu]) -> None:
+    for remark in plan_remarks(gpus, config.sharing.time_slicing):
+        log.log(logging.WARNING if remark.warning else logging.INFO, "%s: %s: %s", config.source, remark.path,
+                remark.why)
 
 
 def immutable_change(old: Config, new: Config) -> str | None:
@@ -106,6 +114,7 @@ async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor)
                       "process runs (restart it to change it)", found.config.source, field)
             return
         await inventory.replace(found.config, found.gpus)
+        warn_about_config(found.config, found.gpus)
     except (ConfigError, BackendUnavailable) as exc:
         log.error("config reload failed; keeping the previous config:\n%s", exc)
         return

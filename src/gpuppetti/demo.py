@@ -11,8 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, RenderableType
+from rich.text import Text
 
 from gpuppetti import cdi
 from gpuppetti.config import Config, load_config, parse_config
@@ -20,9 +20,11 @@ from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import backends_for, discover
 from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
-from gpuppetti.report import gpu_table
+from gpuppetti.report import gpu_records, print_gpus
 from gpuppetti.runtime import Runtime
 from gpuppetti.sandbox import PodmanSandbox, SandboxError
+from gpuppetti.sharing.replicas import plan_remarks
+from gpuppetti.tables import Column, Prose, print_table, print_trimmed
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1
@@ -56,30 +58,42 @@ SANDBOX_CDI_DIR = Path("/var/run/cdi")
 SANDBOX_CDI_KIND = "sandbox.gpuppetti.dev/gpu"
 
 
+class DemoError(Exception):
+    """The demo cannot run: why, and whether the input was at fault (exit 2) or the machine (exit 1)."""
+
+    def __init__(self, message: str, bad_input: bool = False) -> None:
+        super().__init__(message)
+        self.bad_input = bad_input
+
+
 async def run_demo(
     config_path: Path | None, console: Console, runtime: str | None = None, image: str | None = None
 ) -> int:
-    """The demo; returns the exit code (130 when interrupted)."""
+    """The demo; returns the exit code (130 when interrupted). Raises DemoError, before anything starts, when it
+    cannot run."""
     config = demo_config(config_path)
     gpus = discover(backends_for(config, "simulated"))
     if not gpus:
-        console.print(f"[red]the demo config {config.source} has no simulated GPUs[/red]")
-        return 2
+        raise DemoError(f"the demo config {config.source} has no simulated GPUs (simulated.gpus)", bad_input=True)
+    for remark in plan_remarks(gpus, config.sharing.time_slicing):
+        label = "[yellow]warning:[/yellow]" if remark.warning else "note:"
+        console.print(f"{label} {config.source}: {remark.path}: {remark.why}", highlight=False)
     sandbox: PodmanSandbox | None = None
     cdi_dir: Path | None = None
     if runtime == "podman":
         sandbox = PodmanSandbox(image)
         if (why := await sandbox.why_not()) is not None:
-            console.print(f"[red]cannot run the sandbox: {why}[/red]")
-            return 1
+            raise DemoError(f"cannot run the sandbox: {why}")
         # Debian's podman 4.3 reads CDI specs only from /etc/cdi and /var/run/cdi.
         cdi_dir = SANDBOX_CDI_DIR
         if not _writable(cdi_dir):
-            console.print(f"[red]cannot run the sandbox: {cdi_dir} is not writable (run as root)[/red]")
-            return 1
+            raise DemoError(f"cannot run the sandbox: {cdi_dir} is not writable (run as root)")
         section = config.plugin.model_copy(update={"device_list_strategy": ["envvar", "cdi-cri"]})
         config = config.model_copy(update={"plugin": section})
-        await sandbox.ensure_image()
+        try:
+            await sandbox.ensure_image()
+        except SandboxError as exc:
+            raise DemoError(str(exc), bad_input=image is not None) from None
     inventory = Inventory(config, gpus)
     workdir = Path(tempfile.mkdtemp(prefix="gpuppetti-demo-"))
     process = Runtime()
@@ -117,9 +131,10 @@ async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulat
     snapshot = inventory.snapshot
     for resource in snapshot.plan:
         await kubelet.wait_registered(resource)
-    console.print(f"[bold]gpuppetti demo[/bold]: device plugin registered with the built-in kubelet "
-                  f"in {workdir} ({snapshot.config.source})\n")
-    console.print(gpu_table(snapshot))
+    print_trimmed(console, Text.assemble(("gpuppetti demo", "bold"), ": the device plugin registered with the "
+                                         f"built-in kubelet\n  sockets in {workdir}\n  config: "
+                                         f"{snapshot.config.source}\n"))
+    print_gpus(console, gpu_records(snapshot))
 
     outcomes: list[tuple[Pod, list[ContainerAllocation] | str]] = []
     for resource, plan in snapshot.plan.items():
@@ -128,10 +143,10 @@ async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulat
                 outcomes.append((pod, await kubelet.admit(pod)))
             except AdmissionError as exc:
                 outcomes.append((pod, str(exc)))
-    console.print(_slice_table(snapshot, kubelet))
-    console.print(_pod_table(outcomes))
+    _print_slices(console, snapshot, kubelet)
+    _print_pods(console, outcomes)
     if sandbox is not None:
-        console.print(await _run_containers(sandbox, outcomes))
+        await _run_containers(console, sandbox, outcomes)
 
     before = {r: kubelet.registrations(r) for r in snapshot.plan}
     started = time.monotonic()
@@ -139,9 +154,10 @@ async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulat
     for resource in snapshot.plan:
         await kubelet.wait_registered(resource, count=before[resource] + 1)
     elapsed_ms = (time.monotonic() - started) * 1000
-    console.print(f"kubelet restarted (every socket deleted): the plugin noticed through inotify and "
-                  f"re-registered in {elapsed_ms:.0f} ms; allocatable again: "
-                  + ", ".join(f"{r} = {kubelet.allocatable(r)}" for r in snapshot.plan))
+    print_trimmed(console, Text(
+        f"kubelet restarted (every socket deleted): the plugin noticed through inotify and re-registered in "
+        f"{elapsed_ms:,.0f} ms; allocatable again: "
+        + ", ".join(f"{r} = {kubelet.allocatable(r)}" for r in snapshot.plan)))
     process.request_stop(DONE)
 
 
@@ -154,11 +170,9 @@ def _writable(directory: Path) -> bool:
 
 
 async def _run_containers(
-    sandbox: PodmanSandbox, outcomes: list[tuple[Pod, list[ContainerAllocation] | str]]
-) -> Table:
-    table = Table(title=f"Containers run by podman ({sandbox.image}): what each one saw", title_justify="left")
-    for column in ("pod", "podman flags from Allocate", "GPUPPETTI_* env inside", "/dev inside"):
-        table.add_column(column)
+    console: Console, sandbox: PodmanSandbox, outcomes: list[tuple[Pod, list[ContainerAllocation] | str]]
+) -> None:
+    rows: list[list[RenderableType]] = []
     for pod, outcome in outcomes:
         if isinstance(outcome, str):
             continue
@@ -167,40 +181,47 @@ async def _run_containers(
             try:
                 seen = await sandbox.run(name, allocation.response)
             except SandboxError as exc:
-                table.add_row(pod.name, "", f"[red]{exc}[/red]", "")
+                rows.append([pod.name, "", Text(str(exc), style="red"), ""])
                 continue
             devices = [f for f in seen.flags if "=" in f and not f.startswith("GPUPPETTI")]
-            table.add_row(
+            rows.append([
                 pod.name,
                 "\n".join(f"--device {d}" for d in devices if "/" in d.split("=", 1)[0]),
                 "\n".join(f"{k}={v}" for k, v in sorted(seen.env.items())),
                 " ".join(seen.dev),
-            )
-    return table
+            ])
+    columns = [Column("pod"), Column("podman flags from Allocate", 2), Column("GPUPPETTI_* env inside"),
+               Column("/dev inside", 3)]
+    print_table(console, f"Containers run by podman ({sandbox.image}): what each one saw", columns, rows)
 
 
-def _slice_table(inventory: Snapshot, kubelet: KubeletEmulator) -> Table:
-    table = Table(title="Slices, as the kubelet sees them", title_justify="left")
-    for column in ("slice", "GPU", "resource", "health", "pod"):
-        table.add_column(column)
+def _print_slices(console: Console, inventory: Snapshot, kubelet: KubeletEmulator) -> None:
+    rows: list[list[RenderableType]] = []
     for name, plan in inventory.plan.items():
         endpoint = kubelet.endpoints.get(name)
         for unit in plan.units:
             health = endpoint.devices.get(unit.id, "?") if endpoint else "?"
-            table.add_row(unit.id, unit.gpu_id, name, health, kubelet.pod_of(name, unit.id) or "[dim]free[/dim]")
-    return table
+            pod = kubelet.pod_of(name, unit.id)
+            rows.append([unit.id, unit.gpu_id, name, health, pod or Text("free", style="dim")])
+    columns = [Column("slice"), Column("GPU", 3), Column("resource", 4), Column("health", 5), Column("pod")]
+    print_table(console, "Slices, as the kubelet sees them", columns, rows)
 
 
-def _pod_table(outcomes: list[tuple[Pod, list[ContainerAllocation] | str]]) -> Table:
-    table = Table(title="Pods", title_justify="left")
-    for column in ("pod", "request", "result", "env in the container"):
-        table.add_column(column)
+def _print_pods(console: Console, outcomes: list[tuple[Pod, list[ContainerAllocation] | str]]) -> None:
+    rows: list[list[RenderableType]] = []
+    # With one resource, its name in every row would only make the table wider.
+    resources = {r for pod, _ in outcomes for c in pod.containers for r in c.requests}
     for pod, outcome in outcomes:
-        request = ", ".join(f"{r}: {n}" for c in pod.containers for r, n in c.requests.items())
+        request = ", ".join(str(n) if len(resources) == 1 else f"{r}: {n}"
+                            for c in pod.containers for r, n in c.requests.items())
         if isinstance(outcome, str):
-            table.add_row(pod.name, request, "[red]not admitted[/red]", outcome.split(": ", 1)[-1])
+            why = Prose.assemble(("not admitted: ", "red"), outcome.split(": ", 1)[-1])
+            rows.append([pod.name, request, why])
             continue
         for allocation in outcome:
             env = "\n".join(f"{k}={v}" for k, v in sorted(allocation.response.envs.items()))
-            table.add_row(pod.name, request, "[green]admitted[/green]", env)
-    return table
+            rows.append([pod.name, request, env])
+    one = len(resources) == 1
+    columns = [Column("pod"), Column("slices" if one else "asks for", 5, "right"),
+               Column("env in the container, or why not")]
+    print_table(console, f"Pods, asking for {next(iter(resources))}" if one else "Pods", columns, rows)

@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 import yaml
 
-from gpuppetti import __version__
 from gpuppetti.config import parse_config
 from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Vendor
 
 Mode = Literal["plugin", "dra"]
 DEFAULT_NAMESPACE = "gpuppetti"
-DEFAULT_IMAGE = f"ghcr.io/gpuppetti/gpuppetti:{__version__}"
+# Built from this repository (`make image`): no registry publishes gpuppetti's image yet.
+DEFAULT_IMAGE = "localhost/gpuppetti:dev"
 HTTP_PORT = 9400
 LABELS = {"app.kubernetes.io/name": "gpuppetti", "app.kubernetes.io/part-of": "gpuppetti"}
 COMPONENTS: dict[Mode, str] = {"plugin": "device-plugin", "dra": "dra"}
@@ -115,7 +115,7 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
                volumes: list[dict[str, Any]], service_account: str | None) -> dict[str, Any]:
     name = f"gpuppetti-{component}"
     selector = {"app.kubernetes.io/name": "gpuppetti", "app.kubernetes.io/component": component}
-    env = [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    env = _env(options)
     probe_port = {"port": HTTP_PORT}
     container: dict[str, Any] = {
         "name": component,
@@ -167,10 +167,22 @@ def _host_mounts() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return mounts, volumes
 
 
-def _common_args() -> list[str]:
-    # Every address of the pod: the probes reach it on the pod IP (IPv4 or IPv6), and
-    # `gpuppetti discover --from http://127.0.0.1:9400` works from inside the pod.
-    return ["--config", CONFIG_PATH, "--host-root", HOST_ROOT, "--http-address", f":{HTTP_PORT}"]
+def _env(options: Options) -> list[dict[str, Any]]:
+    """The settings as env vars rather than flags: every gpuppetti command run in the pod (`kubectl exec ...
+    gpuppetti doctor`, `discover`) then sees the node as the daemon does, with nothing to repeat."""
+    settings = {
+        "GPUPPETTI_CONFIG": CONFIG_PATH,
+        "GPUPPETTI_HOST_ROOT": HOST_ROOT,
+        # Every address of the pod: the probes reach it on the pod IP (IPv4 or IPv6), and
+        # `gpuppetti discover --from http://127.0.0.1:9400` works from inside the pod.
+        "GPUPPETTI_HTTP_ADDRESS": f":{HTTP_PORT}",
+        # Which of the node's checks `gpuppetti doctor` makes in this pod.
+        "GPUPPETTI_MODE": options.mode,
+    }
+    if options.mode == "plugin" and options.label_node:
+        settings["GPUPPETTI_LABEL_NODE"] = "true"
+    return [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            *({"name": key, "value": value} for key, value in settings.items())]
 
 
 def _cdi_mount() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -189,12 +201,11 @@ def device_plugin(options: Options) -> list[dict[str, Any]]:
     mounts.append({"name": "host-agent-token", "mountPath": "/var/run/secrets/gpuppetti-host-agent",
                    "readOnly": True})
     volumes.append({"name": "host-agent-token", "secret": {"secretName": "gpuppetti-host-agent", "optional": True}})
-    args = ["plugin", *_common_args()]
+    args = ["plugin"]
     objects: list[dict[str, Any]] = []
     account = None
     if options.label_node:
         account = "gpuppetti-device-plugin"
-        args.append("--label-node")
         objects += [
             {"apiVersion": "v1", "kind": "ServiceAccount",
              "metadata": _metadata(account, options.namespace, "device-plugin")},
@@ -262,7 +273,7 @@ def dra_driver(options: Options) -> list[dict[str, Any]]:
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": account},
          "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]},
     ]
-    args = ["dra", *_common_args(), "--node-name", "$(NODE_NAME)"]
+    args = ["dra"]
     return [*rbac, *device_classes(), _daemonset(options, "dra", args, mounts, volumes, account)]
 
 

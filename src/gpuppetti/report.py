@@ -10,7 +10,7 @@ from gpuppetti.quantity import format_bytes
 
 if TYPE_CHECKING:
     # The daemons serve records, never tables: rich is loaded by the commands that print.
-    from rich.table import Table
+    from rich.console import Console
 
 
 def _advertised(inventory: Snapshot) -> dict[str, tuple[str, int]]:
@@ -55,30 +55,45 @@ def gpu_records(inventory: Snapshot) -> list[dict[str, Any]]:
     return records
 
 
-def gpu_table(inventory: Snapshot, title: str = "GPUs") -> Table:
-    return records_table(gpu_records(inventory), title)
+REQUIRED_KEYS = ("id", "vendor", "model", "health")
 
 
-def records_table(records: list[dict[str, Any]], title: str = "GPUs") -> Table:
-    from rich.table import Table
+def records_problem(records: Any) -> str | None:
+    """Why a /v1/gpus answer is not a list of GPU records; None when it is."""
+    if not isinstance(records, list):
+        return f"a JSON {type(records).__name__}, not a list"
+    for position, record in enumerate(records):
+        if not isinstance(record, dict):
+            return f"item {position} is not an object"
+        missing = [key for key in REQUIRED_KEYS if not isinstance(record.get(key), str)]
+        if missing:
+            return f"item {position} has no {', '.join(missing)}"
+    return None
 
-    table = Table(title=title, title_justify="left")
-    for column in ("GPU", "vendor", "model", "cores", "memory", "device nodes", "NUMA", "health", "backend",
-                   "facts", "resource", "slices"):
-        table.add_column(column)
-    for record in records:
-        table.add_row(
+
+def print_gpus(console: Console, records: list[dict[str, Any]], title: str = "GPUs") -> None:
+    from gpuppetti.tables import Column, Prose, print_table
+
+    # The order of the columns; their ranks say which go first when the width is short.
+    columns = [Column("GPU"), Column("model", 9), Column("resource", 8), Column("slices", 6, "right"),
+               Column("health", 4), Column("memory", 5, "right"), Column("device nodes", 7),
+               Column("cores", 3, "right"), Column("vendor", 2), Column("NUMA", 2, "right"), Column("backend", 1),
+               Column("facts", 1)]
+    rows = [
+        [
             record["id"],
-            record["vendor"],
-            record["model"],
-            str(record["cores"] or "-"),
-            format_bytes(record["memory_bytes"]),
-            "\n".join(record["device_nodes"]) or "-",
-            "-" if record["numa_node"] is None else str(record["numa_node"]),
-            record["health"],
-            record["backend"],
-            record.get("facts") or "-",
+            Prose(record["model"]),
             record["resource"] or "-",
             str(record["replicas"] or "-"),
-        )
-    return table
+            record["health"],
+            format_bytes(record["memory_bytes"]),
+            "\n".join(record["device_nodes"]) or "-",
+            str(record["cores"] or "-"),
+            record["vendor"],
+            "-" if record["numa_node"] is None else str(record["numa_node"]),
+            record["backend"],
+            record.get("facts") or "-",
+        ]
+        for record in records
+    ]
+    print_table(console, title, columns, rows)

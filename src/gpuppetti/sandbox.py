@@ -113,7 +113,8 @@ class PodmanSandbox:
         if code == 0:
             return self.image
         if not self._build_default:
-            raise SandboxError(f"image {self.image} is not available locally (the sandbox pulls nothing)")
+            raise SandboxError(f"--image {self.image}: no such image here, and the sandbox pulls nothing: pull or "
+                               "build it first (podman pull, podman build), or leave --image out for the built-in one")
         await self._build_busybox_image()
         return self.image
 

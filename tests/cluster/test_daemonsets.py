@@ -11,8 +11,11 @@ options, as a user passes them.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,34 @@ def ready_pods(node: RealNode, component: str) -> list[Any]:
                                    for c in p["status"].get("conditions", []))]
 
 
+def _healthz() -> int | None:
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:9400/healthz", timeout=5) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except OSError:
+        return None
+
+
+def doctor_in_pod(node: RealNode, component: str) -> dict[str, dict[str, Any]]:
+    """`gpuppetti doctor` in the component's pod, which sees the node as the daemon does (its env), asked only for
+    the runtime's socket: this node's containerd listens under the state directory, not at a usual path."""
+    # The pod shares the node's network here: its endpoint is the node's 127.0.0.1:9400.
+    wait_for(f"the {component} pod's /healthz answering 200", lambda: _healthz() == 200, 120)
+    pods = node.get("pods", namespace=NAMESPACE, selector=f"app.kubernetes.io/component={component}")["items"]
+    [name] = [p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running"]
+    socket = Path("/host") / (node.dir / "containerd" / "containerd.sock").relative_to("/")
+    result = subprocess.run([str(node.dir / "bin" / "kubectl"), "-n", NAMESPACE, "exec", name, "--",
+                             str(Path(sys.prefix) / "bin" / "gpuppetti"), "doctor", "--json", "--runtime-endpoint",
+                             str(socket)], env=node.env, capture_output=True, text=True, timeout=120, check=False)
+    assert "Traceback" not in result.stderr, result.stderr
+    checks = {check["check"]: check for check in json.loads(result.stdout)}
+    failed = {n: c for n, c in checks.items() if c["status"] == "fail"}
+    assert (result.returncode, failed) == (0, {}), result.stdout
+    return checks
+
+
 @pytest.fixture
 def label(node: RealNode) -> Iterator[None]:
     yield
@@ -87,11 +118,19 @@ def test_both_daemonsets_run_from_the_image_one_mode_per_node(
     assert node.env_of("dp-user")["GPUPPETTI_SHARING"] == "time-slicing"
     assert daemonset(node, "gpuppetti-dra")["status"]["desiredNumberScheduled"] == 0, "one mode per node"
     node.delete("pod", "dp-user", "--grace-period=0", "--force")
+    checks = doctor_in_pod(node, "device-plugin")
+    assert checks["kubelet device plugins"]["status"] == "ok"
+    assert checks["kubelet plugin registry"]["status"] == "skip", "the device plugin's pod does not mount it"
+    assert checks["CDI in the runtime"]["detail"].startswith("containerd 2.3.4 (CRI v1) applies CDI devices")
+    assert checks["daemon"]["detail"] == "http://127.0.0.1:9400/healthz: ok"
 
     node.kubectl("label", "node", node.name, f"{MODE_LABEL}=dra", "--overwrite")
     wait_for("the device plugin pod gone", lambda: not node.get(
         "pods", namespace=NAMESPACE, selector="app.kubernetes.io/component=device-plugin")["items"], 120)
     wait_for("the DRA driver pod Ready (registered, slices published)", lambda: ready_pods(node, "dra"), 120)
+    checks = doctor_in_pod(node, "dra")
+    assert (checks["kubelet plugin registry"]["status"], checks["kubelet device plugins"]["status"]) == ("ok", "skip")
+    assert "gpu.gpuppetti.dev-reg.sock" in checks["kubelet plugin registry"]["detail"]
     node.apply([{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one"},
                  "spec": {"spec": {"devices": {"requests": [
                      {"name": "gpu", "exactly": {"deviceClassName": "gpu.gpuppetti.dev"}}]}}}},

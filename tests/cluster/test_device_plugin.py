@@ -8,7 +8,10 @@ import signal
 import urllib.request
 from pathlib import Path
 
-from tests.cluster.realnode import CDI_DIR, Daemon, RealNode, clean_cdi, pod, wait_for, write_config
+import yaml
+
+from tests.cluster.realnode import BUSYBOX, CDI_DIR, Daemon, RealNode, clean_cdi, pod, wait_for, write_config
+from tests.helpers import fenced_blocks
 
 APPLE = "apple.com/gpu"
 
@@ -184,3 +187,22 @@ def test_node_labels_go_when_the_plugin_stops(node: RealNode, workdir: Path) -> 
     assert found["gpuppetti.dev/gpu.vendor"] == "apple"
     daemon.stop()
     assert labels() == {}, "the plugin removes its labels when it stops"
+
+
+def _fenced_blocks(path: Path, language: str) -> list[str]:
+    return [body for lang, body in fenced_blocks(path.read_text()) if lang == language]
+
+
+def test_the_demo_pod_prints_what_its_guide_says(node: RealNode, workdir: Path) -> None:
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    # The kind guide's config, as a user copies it.
+    kind_config = next(block for block in _fenced_blocks(docs / "kind.md", "yaml") if "simulated:" in block)
+    start(node, workdir, kind_config)
+    node.wait_allocatable(APPLE, 8)
+    example = yaml.safe_load((docs.parent / "deploy/examples/slice-demo-pod.yaml").read_text())
+    # The one change: no registry is reachable here, so the same busybox comes from the node's own images.
+    example["spec"]["containers"][0].update(image=BUSYBOX, imagePullPolicy="Never")
+    node.apply([example])
+    wait_for("slice-demo Succeeded", lambda: node.phase("slice-demo") == "Succeeded", 90)
+    expected = _fenced_blocks(docs / "demo-pod.md", "")[0]
+    assert node.logs("slice-demo") == expected

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import DaemonProcess, run_cli
+from tests.helpers import DaemonProcess, PluginProcess, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -101,3 +103,55 @@ def test_every_command_is_listed() -> None:
     result = run_cli("--help")
     for command in ("plugin", "dra", "discover", "manifests", "host-agent", "demo"):
         assert command in result.stdout
+
+
+NO_CORES = """\
+version: v1
+simulated:
+  gpus:
+    - {model: Mystery GPU, vendor: apple}
+sharing:
+  timeSlicing:
+    resources:
+      - {name: apple.com/gpu, replicasPerCores: 10}
+      - {name: nvidia.com/gpu, replicas: 4}
+"""
+
+
+def test_a_sharing_entry_that_does_nothing_is_said(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(NO_CORES)
+    result = run_cli("discover", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert (f"gpuppetti: warning: {config}: sharing.timeSlicing.resources[0].replicasPerCores: GPU sim-apple-0 has "
+            "no known core count, so it gets 1 replica") in result.stderr
+    # An entry for a vendor this node lacks is what a config shared by many nodes has: a note, not a warning.
+    assert (f"gpuppetti: note: {config}: sharing.timeSlicing.resources[1].name: no GPU here is offered as "
+            "nvidia.com/gpu") in result.stderr
+
+
+async def test_the_plugin_logs_the_warning(tmp_path: Path, start_plugin: Callable[..., PluginProcess]) -> None:
+    plugin = start_plugin(NO_CORES)
+    await plugin.wait_for_log("replicasPerCores: GPU sim-apple-0 has no known core count")
+    assert "WARNING" in next(line for line in plugin.log().splitlines() if "no known core count" in line)
+
+
+async def test_a_device_plugin_directory_it_had_to_create_is_named_while_waiting(tmp_path: Path) -> None:
+    directory = tmp_path / "not-the-kubelets"
+    plugin = DaemonProcess(["plugin", "--device-plugin-dir", str(directory)],
+                           "version: v1\nsimulated:\n  gpus:\n    - {model: X, vendor: apple}\n", tmp_path, "made")
+    try:
+        await plugin.wait_for_log("waiting for the kubelet")
+        waiting = next(line for line in plugin.log().splitlines() if "waiting for the kubelet" in line)
+        assert f"gpuppetti created {directory} at start: is it the kubelet's device plugin directory?" in waiting
+        status, body = await asyncio.to_thread(_get_any, await plugin.http_url() + "/healthz")
+        assert status == 503 and f"gpuppetti created {directory}" in body
+    finally:
+        plugin.kill()
+
+
+def _get_any(url: str) -> tuple[int, str]:
+    try:
+        return _get(url)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()

@@ -13,7 +13,7 @@ import pytest
 from gpuppetti import cdi
 from tests.cdi_checks import spec_problems
 from tests.dra_support import DRIVER, NODE, Cluster
-from tests.helpers import TWO_M3_MAX, DaemonProcess
+from tests.helpers import TWO_M3_MAX
 from tests.standins.dra_kubelet import ClaimKey
 
 pytestmark = pytest.mark.e2e
@@ -246,13 +246,6 @@ async def test_health_stream_and_taints(cluster: Cluster) -> None:
     assert (taint["key"], taint["effect"]) == (f"{DRIVER}/unhealthy", "NoSchedule")
     generations = {s["spec"]["pool"]["generation"] for s in cluster.slices()}
     assert generations == {2}
-
-
-async def test_missing_node_name_is_a_clear_error(cluster: Cluster) -> None:
-    process = DaemonProcess(["dra", "--kubeconfig", str(cluster.kubeconfig), "--registry-dir",
-                             str(cluster.root / "r2")], TWO_M3_MAX, cluster.root, "no-node")
-    assert await process.wait() == 1
-    assert "the node name is required" in process.log()
 
 
 async def test_v1beta1_serves_the_same_answers_without_share_ids(cluster: Cluster) -> None:

@@ -46,8 +46,9 @@ async def test_the_token_protects_the_agent(tmp_path: Path) -> None:
     await agent.wait_for_log("host agent serving /v1/gpus")
     secret = (tmp_path / "token").read_text().strip()
     assert stat.S_IMODE((tmp_path / "token").stat().st_mode) == 0o600
-    assert f"kubectl create secret generic gpuppetti-host-agent --namespace gpuppetti --from-literal=token={secret}" \
-        in agent.log()
+    assert ("kubectl create secret generic gpuppetti-host-agent --namespace gpuppetti "
+            f"--from-file=token={tmp_path / 'token'}") in agent.log()
+    assert secret not in agent.log(), "the token lands in no log: the command reads the file"
     url = f"http://127.0.0.1:{port}/v1/gpus"
 
     status, body = await _get(url)
@@ -82,6 +83,26 @@ def test_token_helpers(tmp_path: Path) -> None:
     assert not token.matches(value, f"Bearer {value}x")
     assert not token.matches(value, None)
     assert not token.matches(value, value)
+
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    with pytest.raises(token.TokenFileError, match="is empty"):
+        token.load_or_create(empty)
+    assert empty.read_text() == "\n", "an empty token file is never overwritten"
+
+
+async def test_an_agent_with_no_gpu_answers_503_and_says_so(tmp_path: Path) -> None:
+    port = _free_port()
+    # No stand-in macOS commands on the PATH: nothing to find.
+    agent = DaemonProcess(["host-agent", "--listen", f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token")],
+                          None, tmp_path, "no-gpu-agent", env={"PATH": "/usr/bin:/bin"})
+    await agent.wait_for_log("host agent serving /v1/gpus")
+    assert "no GPU found here" in agent.log()
+    secret = (tmp_path / "token").read_text().strip()
+    status, body = await _get(f"http://127.0.0.1:{port}/v1/gpus", {"Authorization": f"Bearer {secret}"})
+    assert status == 503
+    assert body["gpus"] == [] and body["error"]
+    assert await agent.stop() == 0
 
 
 APPLE_VM = """\

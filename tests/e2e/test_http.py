@@ -58,12 +58,11 @@ async def test_healthz_is_ready_once_registered_and_metrics_count(
 
 
 def test_the_listener_defaults_to_localhost() -> None:
-    from gpuppetti.cli import build_parser
+    from gpuppetti.cli.main import parse
 
-    args = build_parser().parse_args(["plugin"])
-    assert args.http_address == "127.0.0.1:9400"
-    args = build_parser().parse_args(["dra", "--node-name", "n"])
-    assert args.http_address == "127.0.0.1:9400"
+    assert parse(["plugin"], {}).http_address == "127.0.0.1:9400"
+    assert parse(["dra", "--node-name", "n"], {}).http_address == "127.0.0.1:9400"
+    assert parse(["plugin"], {"GPUPPETTI_HTTP_ADDRESS": ""}).http_address == "", "an empty value turns it off"
 
 
 async def test_an_address_in_use_is_a_clear_error(

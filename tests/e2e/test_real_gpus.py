@@ -63,7 +63,8 @@ def test_discover_amd_details(tmp_path: Path) -> None:
 
 def test_discover_table(tmp_path: Path) -> None:
     amd_machine(tmp_path)
-    result = _discover("--host-root", str(tmp_path))
+    # Wide enough for every column (tests/e2e/test_output_width.py checks the narrow ones).
+    result = _discover("--host-root", str(tmp_path), env={"COLUMNS": "200"})
     assert result.returncode == 0, result.stderr
     for text in ("Navi 31", "24 GiB", "/dev/kfd", "Healthy", "drm", "amd.com/gpu"):
         assert text in result.stdout

@@ -43,7 +43,8 @@ def test_demo_runs_each_pod_in_a_real_container() -> None:
     reason = _why_podman_cannot_run()
     if reason is not None:
         pytest.skip(f"podman cannot run containers here: {reason}")
-    result = run_cli("demo", "--runtime", "podman", timeout=600)
+    # Wide enough for every column of the containers' table.
+    result = run_cli("demo", "--runtime", "podman", timeout=600, env={"COLUMNS": "250"})
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "Containers run by podman" in out
@@ -53,3 +54,15 @@ def test_demo_runs_each_pod_in_a_real_container() -> None:
     assert "--device sandbox.gpuppetti.dev/gpu=sim-apple-1" in out
     assert "urandom" in out
     assert not os.path.exists("/var/run/cdi/sandbox.gpuppetti.dev-gpu.json"), "the sandbox cleans up its spec"
+
+
+def test_an_image_that_is_not_here_is_one_line_and_pulls_nothing() -> None:
+    reason = _why_podman_cannot_run()
+    if reason is not None:
+        pytest.skip(f"podman cannot run containers here: {reason}")
+    result = run_cli("demo", "--runtime", "podman", "--image", "localhost/gpuppetti-no-such-image:1", timeout=120)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("gpuppetti: --image localhost/gpuppetti-no-such-image:1: no such image here, and the "
+                           "sandbox pulls nothing"), line
+    assert "Traceback" not in result.stdout + result.stderr

@@ -345,3 +345,19 @@ def test_an_interrupted_demo_exits_130_with_one_line(tmp_path: Path) -> None:
         assert code == 130, (moment, code, text[-2000:])
         assert "Traceback" not in text, text[-2000:]
         assert errors.read_text().strip().splitlines()[-1] == "gpuppetti: interrupted", errors.read_text()
+
+
+@pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"], ["discover"], ["doctor"]],
+                         ids=lambda c: c[0])
+def test_ctrl_c_while_a_command_starts_is_one_line_and_130(tmp_path: Path, command: list[str]) -> None:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
+    environment["GPUPPETTI_DEVICE_PLUGIN_DIR"] = str(tmp_path / "dp")
+    process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *command], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=environment)
+    # Well inside the imports, which take most of a second.
+    time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 130, (process.returncode, err)
+    assert "Traceback" not in out + err, err
+    assert err.strip().splitlines() == ["gpuppetti: interrupted"], err

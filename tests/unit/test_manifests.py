@@ -126,7 +126,11 @@ def test_daemonset_security_and_mounts() -> None:
     assert secret["secret"] == {"secretName": "gpuppetti-host-agent", "optional": True}
     assert "serviceAccountName" not in spec, "without --label-node the plugin needs no API access"
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
-    assert ":9400" in container["args"], "every address of the pod: IPv4, IPv6 and 127.0.0.1"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["GPUPPETTI_HTTP_ADDRESS"] == ":9400", "every address of the pod: IPv4, IPv6 and 127.0.0.1"
+    # Settings as env, not flags: a command run in the pod (doctor, discover) sees what the daemon sees.
+    assert (container["args"], env["GPUPPETTI_CONFIG"], env["GPUPPETTI_HOST_ROOT"], env["GPUPPETTI_MODE"]) == (
+        ["plugin"], "/etc/gpuppetti/config.yaml", "/host", "plugin")
     assert spec["nodeSelector"] == {"gpuppetti.dev/mode": "plugin"}
     assert {"operator": "Exists"} not in spec["tolerations"], "not every taint"
 
@@ -137,7 +141,8 @@ def test_label_node_adds_only_get_and_patch_on_nodes() -> None:
     [role] = [o for o in objects if o["kind"] == "ClusterRole"]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
     [daemonset] = [o for o in objects if o["kind"] == "DaemonSet"]
-    assert "--label-node" in daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
+    env = {e["name"]: e.get("value") for e in daemonset["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["GPUPPETTI_LABEL_NODE"] == "true"
     assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == "gpuppetti-device-plugin"
 
 
@@ -191,3 +196,11 @@ def test_example_gpu_config_decodes() -> None:
     [template] = yaml.safe_load_all((DEPLOY / "examples" / "dra" / "shared-gpu.yaml").read_text())
     [entry] = template["spec"]["spec"]["devices"]["config"]
     assert opaque.decode(entry["opaque"]["parameters"], "example").sharing.strategy == "TimeSlicing"
+
+
+def test_a_time_slice_interval_is_refused_not_ignored() -> None:
+    # NVIDIA's driver takes timeSlicing.interval; nothing here could honour it, so a config that sets one fails.
+    parameters = {"apiVersion": opaque.API_VERSION, "kind": opaque.KIND,
+                  "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}
+    with pytest.raises(opaque.OpaqueConfigError, match=r"sharing.timeSlicing: unknown key"):
+        opaque.decode(parameters, "config[0]")

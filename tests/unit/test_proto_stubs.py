@@ -158,3 +158,32 @@ def test_health_api() -> None:
                       "message": 5}
     method = dra_health.DESCRIPTOR.services_by_name["DRAResourceHealth"].methods_by_name["NodeWatchResources"]
     assert method.server_streaming
+
+
+from gpuppetti._proto.cri.v1 import api_pb2 as cri  # noqa: E402
+
+CRI_FIELDS = [
+    ("VersionRequest", "version", 1),
+    ("VersionResponse", "version", 1),
+    ("VersionResponse", "runtime_name", 2),
+    ("VersionResponse", "runtime_version", 3),
+    ("VersionResponse", "runtime_api_version", 4),
+    ("StatusRequest", "verbose", 1),
+    ("RuntimeCondition", "type", 1),
+    ("RuntimeCondition", "status", 2),
+    ("RuntimeCondition", "reason", 3),
+    ("RuntimeCondition", "message", 4),
+    ("RuntimeStatus", "conditions", 1),
+    ("StatusResponse", "status", 1),
+    ("StatusResponse", "info", 2),
+]
+
+
+def test_the_cri_subset_is_wire_compatible_with_runtime_v1() -> None:
+    assert cri.DESCRIPTOR.package == "runtime.v1"
+    for message, name, number in CRI_FIELDS:
+        assert cri.DESCRIPTOR.message_types_by_name[message].fields_by_name[name].number == number, (message, name)
+    declared = {(m.name, f.name) for m in cri.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
+    assert declared == {(m, f) for m, f, _ in CRI_FIELDS}
+    methods = cri.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name
+    assert sorted(methods) == ["Status", "Version"]

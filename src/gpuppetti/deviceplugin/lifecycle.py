@@ -39,13 +39,12 @@ from gpuppetti.grpcutil import new_server
 from gpuppetti.instancelock import InstanceLock
 from gpuppetti.inventory import Inventory
 from gpuppetti.metrics import Metrics
+from gpuppetti.nodepaths import KUBELET_SOCKET
 from gpuppetti.runtime import Runtime
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
-KUBELET_SOCKET = "kubelet.sock"
 API_VERSION = "v1beta1"
 # The kubelet dials back and opens ListAndWatch inside Register, with a 10 s dial timeout of its own.
 REGISTER_TIMEOUT_S = 15.0
@@ -189,6 +188,8 @@ class DevicePluginManager:
         self._resources: dict[str, _Supervised] = {}
         self.lock = InstanceLock(directory, "device plugin")
         self._kubelet_problem: str | None = None
+        # Said with every wait for the kubelet: a directory the plugin had to create is likely not the kubelet's.
+        self._made_here = ""
 
     def waiting_for(self) -> str | None:
         """None once every resource is registered with the kubelet; else what is missing (for /healthz)."""
@@ -222,6 +223,8 @@ class DevicePluginManager:
     async def run(self, runtime: Runtime) -> None:
         """Take the directory's lock, then spawn the socket watcher and the reconciler as duties."""
         if self.check_directory():
+            self._made_here = (f" (gpuppetti created {self.directory} at start: is it the kubelet's device plugin "
+                               "directory? see --device-plugin-dir)")
             log.warning("%s did not exist: created it. A kubelet creates %s there when it starts; until one does, "
                         "the plugin waits (is --device-plugin-dir the kubelet's device plugin directory?)",
                         self.directory, KUBELET_SOCKET)
@@ -379,15 +382,15 @@ class DevicePluginManager:
                             log.warning("%s: the kubelet did not open ListAndWatch within %.0fs of Register; "
                                         "registering again", name, STREAM_WAIT_S)
                         current = None
-                self._mark(name, False, "waiting for the kubelet")
+                self._mark(name, False, f"waiting for the kubelet{self._made_here}")
                 if kubelet is None:
                     delay = backoff.next()
                     if not waiting_logged or backoff.at_maximum:
                         # A kubelet restart takes a moment: said quietly first, loudly while it lasts.
                         log.log(logging.WARNING if waiting_logged else logging.INFO,
                                 "%s: waiting for the kubelet: %s does not exist yet "
-                                "(registering as soon as it appears; re-checking in %.1fs)",
-                                name, self.kubelet_socket, delay)
+                                "(registering as soon as it appears; re-checking in %.1fs)%s",
+                                name, self.kubelet_socket, delay, self._made_here)
                         waiting_logged = True
                     await _wait(wake, delay)
                     continue

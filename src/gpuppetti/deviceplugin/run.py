@@ -43,13 +43,13 @@ async def run_plugin(sources: Sources, options: PluginOptions) -> None:
 
 
 async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOptions) -> None:
+    # The config first: a broken one must stop the process before it listens anywhere.
+    inventory, monitor, found = await start_inventory(sources)
     metrics = Metrics()
     http = HttpServer(metrics)
     if options.http_address:
         await http.start(options.http_address)
         runtime.spawn("http", http.serve())
-
-    inventory, monitor, found = await start_inventory(sources)
     for name, plan in inventory.plan.items():
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
     metrics.watch(inventory)
@@ -65,8 +65,6 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
 
     labelling = options.labelling
     if labelling is not None:
-        if not labelling.node:
-            raise StartupError("--label-node needs the node's name: pass --node-name or set NODE_NAME")
         from gpuppetti.kube import api_client
         from gpuppetti.labels import NodeLabeler
 

@@ -24,7 +24,6 @@ from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpuppetti.backoff import Backoff
 from gpuppetti.daemon import Sources, reload, start_inventory
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
-from gpuppetti.dra.paths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.dra.plugin import DraService, Registration, add_services
 from gpuppetti.dra.publisher import SlicePublisher
 from gpuppetti.dra.state import DraState
@@ -34,6 +33,7 @@ from gpuppetti.httpserver import HttpServer
 from gpuppetti.instancelock import InstanceLock
 from gpuppetti.kube import REQUEST_TIMEOUT_S, Kube, api_client
 from gpuppetti.metrics import Metrics
+from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.report import gpu_records
 from gpuppetti.runtime import Runtime, StartupError
 from gpuppetti.watch import Change, watch_directory
@@ -138,16 +138,13 @@ async def run_dra(sources: Sources, options: DraOptions) -> None:
 
 
 async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
-    if not options.node_name:
-        raise StartupError("the node name is required: pass --node-name or set NODE_NAME "
-                           "(in a DaemonSet, from the downward API: fieldRef spec.nodeName)")
+    # The config first: a broken one must stop the process before it listens anywhere.
+    inventory, monitor, _ = await start_inventory(sources)
     metrics = Metrics()
     http = HttpServer(metrics)
     if options.http_address:
         await http.start(options.http_address)
         runtime.spawn("http", http.serve())
-
-    inventory, monitor, _ = await start_inventory(sources)
     metrics.watch(inventory)
     driver = inventory.config.dra.driver_name
     plugin_dir = options.plugins_dir / driver

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -30,13 +29,10 @@ from gpuppetti.kubeobjects import ResourceClaim
 from gpuppetti.model import ContainerEdits, Health
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
+from gpuppetti.syntax import DNS_LABEL, UID, is_dns_subdomain
 
 log = logging.getLogger(__name__)
 
-# Kubernetes object UIDs are RFC 4122 UUIDs. A claim UID becomes part of a file name: nothing else may pass.
-UID = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class ClaimReader(Protocol):
@@ -69,11 +65,12 @@ class ClaimRef:
 
 def claim_problem(claim: ClaimRef) -> str | None:
     """Why the kubelet's reference cannot be a real claim; None when it can."""
+    # A claim UID becomes part of a file name: nothing but a UID may pass.
     if not UID.match(claim.uid):
         return f"claim uid {claim.uid[:80]!r} is not a Kubernetes UID"
     if not DNS_LABEL.match(claim.namespace):
         return f"claim namespace {claim.namespace[:80]!r} is not a valid namespace name"
-    if not DNS_SUBDOMAIN.match(claim.name):
+    if not is_dns_subdomain(claim.name):
         return f"claim name {claim.name[:80]!r} is not a valid object name"
     return None
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpuppetti.discovery import HostFacts
 from gpuppetti.hostagent import API_PATH
+from gpuppetti.httpclient import FetchError, get
 
 log = logging.getLogger(__name__)
 
@@ -57,30 +58,22 @@ def facts_from(document: Any, url: str) -> HostFacts:
 
 async def fetch(url: str, token: str, timeout: float = TIMEOUT_S) -> HostFacts:
     """Ask the agent at ``url``. Raises AgentError saying what went wrong."""
-    # Only where an agent is configured: importing aiohttp costs a tenth of a second and megabytes.
-    import aiohttp
-
     target = url.rstrip("/") + API_PATH
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(target, headers={"Authorization": f"Bearer {token}"}, allow_redirects=False) as response,
-        ):
-            if response.status != 200:
-                hint = " (is the token the agent printed in the Secret?)" if response.status == 401 else ""
-                raise AgentError(f"the host agent at {url} answered {response.status}{hint}")
-            if (response.content_length or 0) > MAX_ANSWER_BYTES:
-                raise AgentError(f"the host agent at {url} sent {response.content_length} bytes; "
-                                 f"at most {MAX_ANSWER_BYTES} are read")
-            body = await response.content.read(MAX_ANSWER_BYTES + 1)
-    except TimeoutError:
-        raise AgentError(f"the host agent at {url} did not answer within {timeout:g}s") from None
-    except aiohttp.ClientError as exc:
-        raise AgentError(f"the host agent at {url} did not answer: {exc}") from None
-    if len(body) > MAX_ANSWER_BYTES:
-        raise AgentError(f"the host agent at {url} sent more than {MAX_ANSWER_BYTES} bytes")
+        reply = await get(target, {"Authorization": f"Bearer {token}"}, timeout, MAX_ANSWER_BYTES)
+    except FetchError as exc:
+        raise AgentError(f"the host agent: {exc}") from None
+    if reply.status == 503:
+        try:
+            why = json.loads(reply.body).get("error")
+        except (ValueError, AttributeError):
+            why = None
+        raise AgentError(f"the host agent at {url} has found no GPU ({why or 'it says no more'})")
+    if reply.status != 200:
+        hint = " (is the token in the Secret the agent's?)" if reply.status == 401 else ""
+        raise AgentError(f"the host agent at {url} answered {reply.status}{hint}")
     try:
-        document = json.loads(body)
+        document = json.loads(reply.body)
     except ValueError:
         raise AgentError(f"the answer of {url} is not JSON") from None
     return facts_from(document, url)
@@ -104,10 +97,14 @@ class HostAgentSource:
         except (OSError, UnicodeDecodeError) as exc:
             raise AgentError(f"cannot read the host agent token {self.token_file}: {exc}") from exc
 
+    async def ask(self) -> HostFacts:
+        """Ask the agent once, with the token. Raises AgentError saying what went wrong."""
+        return await fetch(self.url, self._token())
+
     async def fetch_once(self) -> HostFacts | None:
         """Ask the agent; on failure keep the last good facts, marked stale. Returns what is current now."""
         try:
-            facts = await fetch(self.url, self._token())
+            facts = await self.ask()
         except AgentError as exc:
             if self._facts is not None and self._facts.source != STALE:
                 log.warning("%s; keeping the facts it last gave (%s), marked stale", exc, self._facts.model)

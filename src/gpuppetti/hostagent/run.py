@@ -20,8 +20,9 @@ async def start_agent(runtime: Runtime, token: str, host: str | None, port: int,
         await agent.start(host, port)
     except OSError as exc:
         raise StartupError(f"cannot listen on {host or '*'}:{port}: {exc.strerror or exc}") from exc
-    if agent.collector.error:
-        log.warning("no GPU found yet: %s", agent.collector.error)
+    if not agent.collector.gpus:
+        log.warning("no GPU found here (%s): /v1/gpus answers 503 until one is; is this the Mac whose GPU the VM "
+                    "uses?", agent.collector.error)
     runtime.spawn("host-agent-http", agent.serve())
     runtime.spawn("host-agent-refresh", agent.refresh_forever())
     runtime.spawn("config-reload", runtime.reloads(agent.recollect))

@@ -109,7 +109,8 @@ class HostAgent:
                       {"www-authenticate": 'Bearer realm="gpuppetti-host-agent"'})
 
     async def _gpus(self) -> Answer:
-        return Answer.json(self.collector.document())
+        # No GPU is not an answer a client should take as one: 503, with what was looked at.
+        return Answer.json(self.collector.document(), 200 if self.collector.gpus else 503)
 
     async def start(self, host: str | None, port: int) -> None:
         await asyncio.to_thread(self.collector.collect)

@@ -24,11 +24,11 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.config import resource_name_problem
 from gpuppetti.kubelet.changes import Changes
+from gpuppetti.nodepaths import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("v1beta1",)
-KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 DIAL_TIMEOUT_S = 10.0
 HEALTHY = "Healthy"

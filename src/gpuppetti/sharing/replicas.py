@@ -131,3 +131,36 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
     if problems:
         raise ConfigError(source, problems)
     return {name: ResourcePlan.of(name, resource_units) for name, resource_units in sorted(units.items())}
+
+
+@dataclass(frozen=True)
+class Remark:
+    """Something in the sharing section that does nothing on these GPUs. A warning where it is surely a mistake;
+    a note where it is what a config shared by nodes of several vendors does (an entry for a vendor not here)."""
+
+    path: str
+    why: str
+    warning: bool
+
+
+def plan_remarks(gpus: Sequence[Gpu], time_slicing: TimeSlicing) -> list[Remark]:
+    if not gpus:
+        return []
+    offered = sorted({gpu.resource_name for gpu in gpus})
+    remarks: list[Remark] = []
+    for i, entry in enumerate(time_slicing.resources):
+        where = f"sharing.timeSlicing.resources[{i}]"
+        matching = [gpu for gpu in gpus if gpu.resource_name == entry.name
+                    and (entry.devices is None or any(_matches(d, gpu) for d in entry.devices))]
+        if not matching:
+            remarks.append(Remark(f"{where}.name", f"no GPU here is offered as {entry.name} (here: "
+                                  f"{', '.join(offered)}); the entry applies to none on this node", False))
+            continue
+        if entry.replicas_per_cores is None:
+            continue
+        for gpu in matching:
+            if gpu.cores is None:
+                remarks.append(Remark(f"{where}.replicasPerCores", f"GPU {gpu.id} has no known core count, so it "
+                                      "gets 1 replica; give its cores in the config (simulated or virtio), or use "
+                                      "replicas", True))
+    return remarks

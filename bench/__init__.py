@@ -1,0 +1,1 @@
+"""The benchmark suite (`make bench`); see README.md."""

@@ -1,0 +1,75 @@
+"""Parse, check everything the user gave, then run one command; a user's mistake is one line, never a traceback.
+
+Exit codes: 0 done, 1 could not run, 2 bad input (a flag, an env var, the config), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+from gpuppetti import earlysignals
+from gpuppetti.cli import daemons, tools
+from gpuppetti.cli.options import UsageError, apply_environment
+from gpuppetti.cli.parser import build_parser
+from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, Failure, fail
+from gpuppetti.config import ConfigError
+
+COMMANDS: dict[str, Callable[..., int]] = {
+    "plugin": daemons.plugin,
+    "dra": daemons.dra,
+    "host-agent": daemons.host_agent,
+    "discover": tools.discover,
+    "doctor": tools.doctor,
+    "manifests": tools.manifests,
+    "demo": tools.demo,
+}
+
+
+def parse(argv: Sequence[str] | None = None, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """The command and its options, each from its flag, else its env var, else its default, all checked.
+    Raises UsageError."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_environment(parser.commands[args.command], args, environ)
+    return args
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+        _setup_logging(args.log_level)
+        earlysignals.started()
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        return fail(str(exc), EXIT_CONFIG)
+    except ConfigError as exc:
+        return fail(config_message(exc), EXIT_CONFIG)
+    except Failure as exc:
+        return fail(exc.message, exc.code)
+    except BrokenPipeError:
+        # The reader of our output has gone (`| head`): nothing more to say, and nowhere to say it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        # A Ctrl-C before the process's own signal handling is in place (while it starts).
+        return fail("interrupted", EXIT_INTERRUPTED)
+
+
+def config_message(error: ConfigError) -> str:
+    """One problem on one line; several under a line that counts them."""
+    text = str(error)
+    if len(error.problems) <= 1:
+        return f"config error: {text}"
+    return f"config error: {len(error.problems)} problems:\n{text}"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )

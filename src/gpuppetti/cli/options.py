@@ -1,0 +1,136 @@
+"""Flags with environment fallbacks, validated the same way wherever they come from, before anything starts.
+
+argparse checks a flag's value through its ``type``, but takes a default as it is: an env var used as a default
+would skip the checks (``GPUPPETTI_LOG_LEVEL=verbose`` went through). Here an option with an env var gets a
+sentinel default; after parsing, each option that was not given is read from its env var through the same
+converter, and an error names the env var instead of the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+
+class UsageError(Exception):
+    """A mistake in the command line or the environment: one line, exit code 2."""
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class EnvOption:
+    dest: str
+    flag: str
+    env: str
+    convert: Callable[[str], Any]
+    default: Any
+    # Whether an empty value means something (``GPUPPETTI_HTTP_ADDRESS=`` turns the listener off); otherwise an
+    # empty env var counts as unset, as shells and manifests leave them.
+    empty_is_value: bool
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps prose to the terminal, and keeps a text of several lines (the exit code table) as it is written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text.strip():
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, and which knows its options' env vars."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+        self.env_options: list[EnvOption] = []
+        self.commands: dict[str, Parser] = {}
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def option(
+    parser: Parser,
+    *flags: str,
+    help: str,
+    convert: Callable[[str], Any] = str,
+    default: Any = None,
+    env: str | None = None,
+    shown_default: str | None = None,
+    metavar: str | None = None,
+    empty_is_value: bool = False,
+) -> None:
+    """Add a flag taking a value. Its help ends with where else the value may come from and its default."""
+    notes = []
+    if env:
+        notes.append(f"env {env}")
+    if shown_default is None and default not in (None, ""):
+        shown_default = str(default)
+    if shown_default is not None:
+        notes.append(f"default {shown_default}")
+    text = f"{help} ({'; '.join(notes)})" if notes else help
+    action = parser.add_argument(*flags, type=_quoting(convert), default=UNSET if env else default, help=text,
+                                 metavar=metavar)
+    if env:
+        parser.env_options.append(EnvOption(action.dest, flags[0], env, convert, default, empty_is_value))
+
+
+def _quoting(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """The converter, with the value given at the front of its complaint (argparse names only the flag)."""
+
+    def checked(text: str) -> Any:
+        try:
+            return convert(text)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            message = str(exc)
+            raise argparse.ArgumentTypeError(message if repr(text) in message else f"{text!r}: {message}") from None
+
+    checked.__name__ = getattr(convert, "__name__", "value")
+    return checked
+
+
+def switch(parser: Parser, flag: str, help: str, env: str | None = None) -> None:
+    """An on/off flag; its env var must say ``true`` or ``false``."""
+    text = f"{help} (env {env}=true)" if env else help
+    action = parser.add_argument(flag, action="store_const", const=True, default=UNSET if env else False,
+                                 help=text)
+    if env:
+        parser.env_options.append(EnvOption(action.dest, flag, env, boolean, False, False))
+
+
+def boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError("expected true or false")
+
+
+def apply_environment(parser: Parser, args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> None:
+    """Fill each option not given on the command line from its env var, else its default; check the env's value
+    as the flag's would be checked."""
+    for spec in parser.env_options:
+        if getattr(args, spec.dest) is not UNSET:
+            continue
+        raw = environ.get(spec.env)
+        if raw is None or (raw == "" and not spec.empty_is_value):
+            setattr(args, spec.dest, spec.default)
+            continue
+        try:
+            value = spec.convert(raw)
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise UsageError(f"{spec.env}={raw!r}: {exc} (or give {spec.flag})") from None
+        setattr(args, spec.dest, value)

@@ -1,0 +1,237 @@
+"""Every command's flags, with their env vars and defaults: what ``--help`` shows is what is checked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpuppetti import __version__
+from gpuppetti.cli import values
+from gpuppetti.cli.options import Parser, option, switch
+from gpuppetti.config import BACKENDS, CONFIG_ENV
+from gpuppetti.manifests import DEFAULT_IMAGE, DEFAULT_NAMESPACE
+from gpuppetti.nodepaths import (
+    DEFAULT_CDI_DIR,
+    DEFAULT_DEVICE_PLUGIN_DIR,
+    DEFAULT_HTTP_ADDRESS,
+    DEFAULT_PLUGINS_DIR,
+    DEFAULT_REGISTRY_DIR,
+)
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_AGENT_LISTEN = "127.0.0.1:9410"
+DEFAULT_API_TIMEOUT_S = 10.0
+
+EXIT_CODES = """\
+exit codes:
+  0    done, or stopped cleanly by SIGTERM or SIGINT
+  1    could not run: a directory, port or backend it cannot use; a failed check
+  2    bad input: a flag, an env var or the config file (the message names it)
+  130  interrupted by Ctrl-C before it was running
+"""
+
+
+def _log_level(parser: Parser, default: str = "info") -> None:
+    option(parser, "--log-level", env="GPUPPETTI_LOG_LEVEL", convert=values.choice(*LOG_LEVELS), default=default,
+           metavar="LEVEL", help=f"log verbosity: {', '.join(LOG_LEVELS)}")
+
+
+def _config(parser: Parser, what_default: str) -> None:
+    option(parser, "--config", env=CONFIG_ENV, convert=values.path, metavar="PATH", shown_default=what_default,
+           help="YAML config file with 'version: v1'")
+
+
+def _http(parser: Parser) -> None:
+    option(parser, "--http-address", env="GPUPPETTI_HTTP_ADDRESS", convert=values.http_address,
+           default=DEFAULT_HTTP_ADDRESS, metavar="HOST:PORT", empty_is_value=True,
+           help="where to serve /healthz (ready once registered), /livez, /metrics and /v1/gpus: the only TCP "
+           "listener; [::1]:9400 for IPv6, :9400 for every address, '' turns it off")
+
+
+def _cdi_dir(parser: Parser, what: str) -> None:
+    option(parser, "--cdi-dir", env="GPUPPETTI_CDI_DIR", convert=values.path, default=DEFAULT_CDI_DIR,
+           metavar="DIR", help=what)
+
+
+def _node_name(parser: Parser, what: str) -> None:
+    option(parser, "--node-name", env="NODE_NAME", convert=values.node_name, metavar="NAME", help=what)
+
+
+def _kubeconfig(parser: Parser, what: str) -> None:
+    option(parser, "--kubeconfig", env="KUBECONFIG", convert=values.kubeconfig, metavar="PATH",
+           shown_default="the in-cluster service account", help=what)
+
+
+def _discovery(parser: Parser) -> None:
+    option(parser, "--backend", env="GPUPPETTI_BACKEND", convert=values.choice(*BACKENDS), metavar="NAME",
+           shown_default="the config's backend, else auto",
+           help=f"discovery backend: {', '.join(BACKENDS)}; auto runs every backend that can run here")
+    option(parser, "--host-root", env="GPUPPETTI_HOST_ROOT", convert=values.directory, metavar="DIR",
+           default=Path("/"), help="where the host's /sys, /dev and /proc are mounted, e.g. /host in a DaemonSet")
+    option(parser, "--host-agent", env="GPUPPETTI_HOST_AGENT", convert=values.http_url, metavar="URL",
+           shown_default="the config's hostAgent.url",
+           help="a gpuppetti host-agent on the Mac, e.g. http://host.minikube.internal:9410, whose facts (model, "
+           "cores, memory) the virtio-gpu takes")
+    option(parser, "--host-agent-token-file", env="GPUPPETTI_HOST_AGENT_TOKEN_FILE", convert=values.path,
+           metavar="FILE", shown_default="the config's hostAgent.tokenFile", help="the host agent's bearer token")
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="gpuppetti",
+        description="GPU sharing for Kubernetes that does not assume NVIDIA: finds a node's GPUs, slices them, "
+        "and offers the slices to the kubelet.",
+        epilog=EXIT_CODES,
+    )
+    parser.add_argument("--version", action="version", version=f"gpuppetti {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+
+    def command(name: str, help: str, description: str) -> Parser:
+        sub: Parser = commands.add_parser(name, help=help, description=description, epilog=EXIT_CODES)
+        parser.commands[name] = sub
+        return sub
+
+    plugin = command(
+        "plugin", "serve GPUs to the kubelet as a device plugin (Device Plugin API v1beta1)",
+        "Serve the node's GPUs, whole or time-sliced, to the kubelet through the Device Plugin API v1beta1: one "
+        "socket per extended resource, re-registered whenever the kubelet restarts. SIGHUP reloads the config; "
+        "SIGTERM or SIGINT removes the sockets and exits 0.",
+    )
+    _config(plugin, "built-in defaults: whole GPUs, no sharing")
+    option(plugin, "--device-plugin-dir", env="GPUPPETTI_DEVICE_PLUGIN_DIR", convert=values.path,
+           default=DEFAULT_DEVICE_PLUGIN_DIR, metavar="DIR",
+           help="the kubelet's device plugin directory, holding kubelet.sock")
+    _cdi_dir(plugin, "where the CDI spec goes when plugin.deviceListStrategy includes a CDI strategy")
+    switch(plugin, "--label-node", env="GPUPPETTI_LABEL_NODE",
+           help="label this node with its GPU (gpuppetti.dev/gpu.vendor, .model, .cores, .memory, .count, "
+           ".replicas, .sharing-strategy) and keep the labels current; needs --node-name and RBAC to get and "
+           "patch its Node")
+    _node_name(plugin, "this node's name, for --label-node")
+    _kubeconfig(plugin, "kubeconfig for --label-node")
+    _discovery(plugin)
+    _http(plugin)
+    _log_level(plugin)
+
+    dra = command(
+        "dra", "serve GPUs through Dynamic Resource Allocation (resource.k8s.io/v1, kubelet DRA v1/v1beta1)",
+        "Publish the node's GPUs as ResourceSlices (whole, as partitions, or as consumable capacity, per the "
+        "config's dra section), register with the kubelet's plugin watcher, and prepare claims by writing one CDI "
+        "spec per claim. Prepared claims survive restarts in a checkpoint. SIGHUP reloads the config; SIGTERM or "
+        "SIGINT unregisters and exits 0.",
+    )
+    _config(dra, "built-in defaults: whole GPUs")
+    _node_name(dra, "this node's name, which is also the pool name (required)")
+    option(dra, "--registry-dir", env="GPUPPETTI_REGISTRY_DIR", convert=values.path, default=DEFAULT_REGISTRY_DIR,
+           metavar="DIR", help="the kubelet's plugin registry directory")
+    option(dra, "--plugins-dir", env="GPUPPETTI_PLUGINS_DIR", convert=values.path, default=DEFAULT_PLUGINS_DIR,
+           metavar="DIR", help="where the driver's socket and checkpoint go, under <driver>/")
+    _cdi_dir(dra, "where the per-claim CDI specs are written")
+    _kubeconfig(dra, "kubeconfig for the API server")
+    option(dra, "--api-timeout", env="GPUPPETTI_API_TIMEOUT", convert=values.seconds, default=DEFAULT_API_TIMEOUT_S,
+           shown_default="10", metavar="SECONDS",
+           help="the longest one request to the API server may take, connect to last byte; a claim read that "
+           "takes longer fails that claim, and the kubelet retries")
+    _discovery(dra)
+    _http(dra)
+    _log_level(dra)
+
+    discover = command(
+        "discover", "show the GPUs this node has, as the plugin would serve them",
+        "Run the discovery backends and print what they found: vendor, model, cores, memory, device nodes, NUMA "
+        "node, health and backend, and the resource each GPU would be advertised under. Exits 1 when nothing is "
+        "found, saying what was looked at.",
+    )
+    _config(discover, "built-in defaults")
+    _discovery(discover)
+    discover.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    option(discover, "--from", convert=values.http_url, metavar="URL",
+           help="show what a running plugin or DRA driver serves instead of discovering here, from its HTTP "
+           "endpoint (e.g. http://127.0.0.1:9400): its GPUs' health and whether their facts are stale")
+    _log_level(discover, "warning")
+
+    doctor = command(
+        "doctor", "check this node for what gpuppetti needs, and say how to fix what is missing",
+        "Check, on a node or inside the plugin's pod, everything gpuppetti depends on: the GPUs and the backend "
+        "that finds them, the kubelet's directories and sockets, the container runtime (through its CRI socket: "
+        "name, version, and whether it applies CDI devices, without which DRA claims reach no container), the CDI "
+        "directory, the Vulkan loader and drivers for enforced slices, the host agent, and a running daemon's "
+        "/healthz. Prints one line per check, and the fix for each that fails. Exits 1 when a check fails.",
+    )
+    _config(doctor, "built-in defaults")
+    _discovery(doctor)
+    option(doctor, "--device-plugin-dir", env="GPUPPETTI_DEVICE_PLUGIN_DIR", convert=values.path,
+           default=DEFAULT_DEVICE_PLUGIN_DIR, metavar="DIR", help="the kubelet's device plugin directory")
+    option(doctor, "--registry-dir", env="GPUPPETTI_REGISTRY_DIR", convert=values.path,
+           default=DEFAULT_REGISTRY_DIR, metavar="DIR", help="the kubelet's plugin registry directory")
+    _cdi_dir(doctor, "the CDI directory the daemons write")
+    option(doctor, "--runtime-endpoint", env="CONTAINER_RUNTIME_ENDPOINT", convert=values.endpoint, metavar="SOCKET",
+           shown_default="the first of containerd's, CRI-O's, cri-dockerd's and k3s's sockets found, under "
+           "--host-root too", help="the container runtime's CRI socket, as crictl takes it")
+    option(doctor, "--mode", env="GPUPPETTI_MODE", convert=values.choice("plugin", "dra", "both"), default="both",
+           metavar="MODE", help="what this node runs: plugin, dra or both; the other's kubelet directory is not "
+           "checked (the DaemonSets set it in their pods)")
+    option(doctor, "--daemon", env="GPUPPETTI_HTTP_ADDRESS", convert=values.daemon_address, metavar="ADDRESS",
+           shown_default="none: not checked",
+           help="a running plugin or DRA driver's HTTP endpoint, as a URL (http://127.0.0.1:9400) or its "
+           "--http-address (:9400 means this machine), whose /healthz to ask")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    _log_level(doctor, "warning")
+
+    manifests = command(
+        "manifests", "print ready-to-apply YAML for a cluster (gpuppetti manifests | kubectl apply -f -)",
+        "Print the Namespace, ConfigMap, DaemonSet (and for DRA the RBAC and DeviceClasses) that run gpuppetti on "
+        "every node. The same objects as `kubectl kustomize deploy/base/<mode>` and the overlays.",
+    )
+    manifests.add_argument("--mode", type=values.choice("plugin", "dra"), default="plugin", metavar="MODE",
+                           help="plugin (the device plugin) or dra (the DRA driver) (default plugin)")
+    option(manifests, "--replicas", convert=values.count(1, 1024), metavar="N", shown_default="no time-slicing",
+           help="device plugin: time-slice every GPU into N replicas, under every vendor's default resource name")
+    option(manifests, "--image", convert=values.image, default=DEFAULT_IMAGE, metavar="IMAGE",
+           help="the gpuppetti image to run (build it with `make image`)")
+    option(manifests, "--namespace", convert=values.namespace, default=DEFAULT_NAMESPACE, metavar="NS",
+           help="the namespace to run in")
+    manifests.add_argument("--label-node", action="store_true",
+                           help="device plugin: label each node with its GPU, with the RBAC to patch Nodes")
+    source = manifests.add_mutually_exclusive_group()
+    source.add_argument("--preset", type=values.choice("minikube-krunkit"), default=None, metavar="NAME",
+                        help="a ready config: minikube-krunkit serves the VM's virtio-gpu as apple.com/gpu")
+    source.add_argument("--config", type=values.path, default=None, metavar="PATH",
+                        help="put this config file in the ConfigMap (validated first)")
+    _log_level(manifests, "warning")
+
+    agent = command(
+        "host-agent", "on a Mac: serve its GPU's facts to the plugin inside a krunkit VM",
+        "Serve the Mac's GPU inventory (model, cores, unified memory, Metal's recommended working set, Metal "
+        "family, live utilisation and in-use memory) as JSON at /v1/gpus. Every request needs the bearer token, "
+        "generated on first start and stored with mode 0600; a first start from a terminal prints the kubectl "
+        "command that gives it to the cluster. Needs no root.",
+    )
+    option(agent, "--listen", env="GPUPPETTI_HOST_AGENT_LISTEN", convert=values.listen_address,
+           default=DEFAULT_AGENT_LISTEN, metavar="ADDR:PORT",
+           help="where to listen. The VM reaches the Mac at the address host.minikube.internal resolves to: listen "
+           "there, or on 0.0.0.0:9410")
+    option(agent, "--token-file", env="GPUPPETTI_HOST_AGENT_TOKEN_FILE", convert=values.path, metavar="FILE",
+           shown_default="host-agent.token in the user's config directory",
+           help="where the token is kept, created with mode 0600 on first start")
+    option(agent, "--interval", convert=values.seconds, default=5.0, shown_default="5", metavar="SECONDS",
+           help="how often to refresh utilisation and in-use memory from ioreg")
+    option(agent, "--namespace", convert=values.namespace, default=DEFAULT_NAMESPACE, metavar="NS",
+           help="the namespace in the printed kubectl command")
+    _log_level(agent)
+
+    demo = command(
+        "demo", "run the plugin on simulated GPUs against the built-in kubelet emulator",
+        "Start the device plugin with simulated GPUs (by default two Apple M3 Max, 40 cores, 4 slices each) "
+        "against the built-in kubelet emulator in a temporary directory, admit a handful of pods, and print which "
+        "pod got which slice and the env it would see. Needs no cluster, root or GPU.",
+    )
+    option(demo, "--config", convert=values.path, metavar="PATH", shown_default="the built-in demo config",
+           help="YAML config with simulated GPUs")
+    demo.add_argument("--runtime", type=values.choice("podman"), default=None, metavar="RUNTIME",
+                      help="podman: also run each admitted pod as a real container, applying its CDI devices, env, "
+                      "device nodes and mounts, and show what it saw inside (needs root, podman, runc and "
+                      "busybox-static)")
+    option(demo, "--image", convert=values.image, metavar="IMAGE",
+           shown_default="one built from /bin/busybox; nothing is pulled",
+           help="with --runtime podman: a local image with /bin/sh")
+    _log_level(demo, "warning")
+    return parser

@@ -1,0 +1,148 @@
+"""The commands that answer and exit: ``discover``, ``doctor``, ``manifests`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from gpuppetti.cli.daemons import sources
+from gpuppetti.cli.options import UsageError
+from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Failure
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def console() -> Console:
+    """Rich's console: the terminal's width, or $COLUMNS, or 80 when piped, which the tables fit."""
+    from rich.console import Console
+
+    class Quiet(Console):
+        def on_broken_pipe(self) -> None:
+            # `gpuppetti demo | head`: the reader has gone; the rest goes nowhere, without an error.
+            self.quiet = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+    return Quiet(highlight=False)
+
+
+def discover(args: argparse.Namespace) -> int:
+    from gpuppetti.daemon import host_agent, load_and_discover, nothing_found
+    from gpuppetti.discovery import BackendUnavailable, with_host_facts
+    from gpuppetti.inventory import Inventory
+    from gpuppetti.report import gpu_records, print_gpus
+    from gpuppetti.sharing.replicas import plan_remarks
+
+    url = getattr(args, "from")
+    if url:
+        return _discover_from(url, args.json)
+    where = sources(args)
+    try:
+        found = load_and_discover(where)
+    except BackendUnavailable as exc:
+        raise Failure(str(exc)) from None
+    gpus = found.gpus
+    agent = host_agent(where, found.config)
+    if agent is not None:
+        facts = asyncio.run(agent.fetch_once())
+        gpus = [with_host_facts(gpu, facts) for gpu in gpus]
+    if not gpus:
+        raise Failure(nothing_found(found))
+    for remark in plan_remarks(gpus, found.config.sharing.time_slicing):
+        label = "warning" if remark.warning else "note"
+        print(f"gpuppetti: {label}: {found.config.source}: {remark.path}: {remark.why}", file=sys.stderr)
+    records = gpu_records(Inventory(found.config, gpus).snapshot)
+    if args.json:
+        print(json.dumps(records, indent=2))
+    else:
+        print_gpus(console(), records)
+    return EXIT_OK
+
+
+def _discover_from(url: str, as_json: bool) -> int:
+    from gpuppetti.httpclient import FetchError, get
+    from gpuppetti.httpserver import GPUS_PATH
+    from gpuppetti.report import print_gpus, records_problem
+
+    target = url.rstrip("/") + GPUS_PATH
+    try:
+        reply = asyncio.run(get(target, timeout=10))
+    except FetchError as exc:
+        raise Failure(str(exc)) from None
+    not_ours = f"{url} is not a gpuppetti plugin or DRA driver's HTTP endpoint (its --http-address)"
+    if reply.status != 200:
+        raise Failure(f"{not_ours}: {GPUS_PATH} answered {reply.status}")
+    try:
+        records: Any = json.loads(reply.body)
+    except ValueError:
+        raise Failure(f"{not_ours}: {GPUS_PATH} answered something that is not JSON ({reply.content_type})") from None
+    if (problem := records_problem(records)) is not None:
+        raise Failure(f"{not_ours}: {GPUS_PATH} answered JSON that is not a list of GPUs ({problem})")
+    if as_json:
+        print(json.dumps(records, indent=2))
+    else:
+        print_gpus(console(), records, f"GPUs served by {url}")
+    return EXIT_OK
+
+
+def doctor(args: argparse.Namespace) -> int:
+    from gpuppetti.doctor import Settings, checkup, print_checkup
+
+    settings = Settings(
+        sources=sources(args), device_plugin_dir=args.device_plugin_dir, registry_dir=args.registry_dir,
+        cdi_dir=args.cdi_dir, runtime_endpoint=args.runtime_endpoint, daemon_url=args.daemon, mode=args.mode,
+    )
+    results = asyncio.run(checkup(settings))
+    if args.json:
+        print(json.dumps([result.record() for result in results], indent=2))
+    else:
+        print_checkup(console(), results)
+    return EXIT_FAILURE if any(result.failed for result in results) else EXIT_OK
+
+
+def manifests(args: argparse.Namespace) -> int:
+    from gpuppetti import manifests
+    from gpuppetti.config import load_config
+
+    if args.mode == "dra":
+        for flag, given in (("--replicas", args.replicas is not None), ("--label-node", args.label_node)):
+            if given:
+                raise UsageError(f"{flag} is for the device plugin (--mode plugin); with --mode dra, choose the "
+                                 "slicing in the config's dra section (--config)")
+    if args.config is not None and args.replicas is not None:
+        raise UsageError("--replicas applies to the generated config; set the replicas in --config instead")
+    config_text: str | None = None
+    if args.preset:
+        config_text = manifests.preset_config(args.preset, args.replicas)
+    elif args.config is not None:
+        load_config(args.config)
+        config_text = args.config.read_text(encoding="utf-8")
+    options = manifests.Options(
+        mode=args.mode,
+        namespace=args.namespace,
+        image=args.image,
+        config=config_text,
+        replicas=args.replicas,
+        label_node=args.label_node,
+        node_selector=args.preset is None,
+    )
+    sys.stdout.write(manifests.to_yaml(manifests.render(options)))
+    return EXIT_OK
+
+
+def demo(args: argparse.Namespace) -> int:
+    if args.image is not None and args.runtime is None:
+        raise UsageError("--image is the image the sandbox runs: it needs --runtime podman")
+    from gpuppetti.demo import DemoError, run_demo
+
+    try:
+        code = asyncio.run(run_demo(args.config, console(), args.runtime, args.image))
+    except DemoError as exc:
+        raise Failure(str(exc), EXIT_CONFIG if exc.bad_input else EXIT_FAILURE) from None
+    if code == EXIT_INTERRUPTED:
+        raise Failure("interrupted", EXIT_INTERRUPTED)
+    return code

@@ -1,0 +1,147 @@
+"""Converters for flag and env var values: each returns the value or raises ArgumentTypeError saying what is
+wrong, in words that follow the flag's or the env var's name."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from gpuppetti.syntax import dns_label_problem, dns_subdomain_problem, http_url_problem, image_problem
+from gpuppetti.webserver import AddressError, format_address, parse_address
+
+Bad = argparse.ArgumentTypeError
+
+
+def choice(*allowed: str) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        if text not in allowed:
+            raise Bad(f"must be one of {', '.join(allowed)}")
+        return text
+
+    convert.__name__ = "choice"
+    return convert
+
+
+def seconds(text: str) -> float:
+    """A positive number of seconds, at most a day: 0 or less would make a loop spin."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise Bad("expected a number of seconds, such as 5 or 0.5") from None
+    if not math.isfinite(value) or value <= 0:
+        raise Bad("must be more than 0 seconds")
+    if value > 86400:
+        raise Bad("must be at most 86400 seconds (a day)")
+    return value
+
+
+def count(low: int, high: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise Bad(f"expected a whole number from {low} to {high}") from None
+        if not low <= value <= high:
+            raise Bad(f"must be from {low} to {high}")
+        return value
+
+    return convert
+
+
+def http_address(text: str) -> str:
+    """HOST:PORT for the metrics and health endpoint; empty turns it off."""
+    if text:
+        _address(text)
+    return text
+
+
+def listen_address(text: str) -> str:
+    _address(text)
+    return text
+
+
+def _address(text: str) -> None:
+    try:
+        parse_address(text, "address")
+    except AddressError as exc:
+        raise Bad(str(exc).removeprefix("address: ")) from None
+
+
+def daemon_address(text: str) -> str:
+    """Where a daemon serves HTTP, as a URL, or as its --http-address (HOST:PORT; no host means this machine).
+    Returns the URL."""
+    if "://" in text:
+        return http_url(text)
+    try:
+        host, port = parse_address(text, "address")
+    except AddressError:
+        raise Bad("expected a URL such as http://127.0.0.1:9400, or HOST:PORT such as 127.0.0.1:9400 or :9400") \
+            from None
+    if host in (None, "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"http://{format_address(host, port)}"
+
+
+def http_url(text: str) -> str:
+    if (problem := http_url_problem(text)) is not None:
+        raise Bad(problem)
+    return text
+
+
+def directory(text: str) -> Path:
+    """A directory that must exist already (the host's root)."""
+    path = _path(text)
+    if not path.is_dir():
+        raise Bad("no such directory" if not path.exists() else "is not a directory")
+    return path
+
+
+def path(text: str) -> Path:
+    """A path the command may create (a socket directory): it must not be empty."""
+    return _path(text)
+
+
+def _path(text: str) -> Path:
+    if not text:
+        raise Bad("must not be empty")
+    return Path(text)
+
+
+def endpoint(text: str) -> Path:
+    """A CRI endpoint as crictl takes it: a socket path, or unix:// and the path."""
+    if text.startswith("unix://"):
+        text = text.removeprefix("unix://")
+    elif "://" in text:
+        raise Bad("expected a Unix socket: a path, or unix:///path")
+    return _path(text)
+
+
+def kubeconfig(text: str) -> Path:
+    """One kubeconfig, or a list separated by ':' as kubectl takes them; at least one must exist."""
+    paths = [Path(os.path.expanduser(part)) for part in text.split(os.pathsep) if part]
+    if not paths:
+        raise Bad("must not be empty")
+    if not any(candidate.is_file() for candidate in paths):
+        raise Bad("no such file" if len(paths) == 1 else "none of these files exists")
+    return Path(text)
+
+
+def node_name(text: str) -> str:
+    if (problem := dns_subdomain_problem(text)) is not None:
+        raise Bad(f"is not a node name: {problem}")
+    return text
+
+
+def namespace(text: str) -> str:
+    if (problem := dns_label_problem(text)) is not None:
+        raise Bad(f"is not a namespace name: {problem}")
+    return text
+
+
+def image(text: str) -> str:
+    if (problem := image_problem(text)) is not None:
+        raise Bad(problem)
+    return text

@@ -1,0 +1,76 @@
+"""Where each option's value comes from: the flag, else its env var, else its default; all checked alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuppetti.cli.main import parse
+from gpuppetti.cli.options import UsageError
+from gpuppetti.cli.parser import build_parser
+
+
+def test_a_flag_beats_its_env_var_which_beats_the_default() -> None:
+    assert parse(["plugin"], {}).log_level == "info"
+    assert parse(["plugin"], {"GPUPPETTI_LOG_LEVEL": "debug"}).log_level == "debug"
+    assert parse(["plugin", "--log-level", "error"], {"GPUPPETTI_LOG_LEVEL": "debug"}).log_level == "error"
+
+
+def test_an_empty_env_var_is_unset_except_where_empty_means_something() -> None:
+    args = parse(["plugin"], {"GPUPPETTI_BACKEND": "", "GPUPPETTI_HOST_ROOT": "", "GPUPPETTI_HTTP_ADDRESS": ""})
+    assert (args.backend, args.host_root, args.http_address) == (None, Path("/"), "")
+
+
+def test_the_dra_driver_takes_its_directories_from_the_environment_too() -> None:
+    env = {"GPUPPETTI_CDI_DIR": "/x/cdi", "GPUPPETTI_REGISTRY_DIR": "/x/registry", "GPUPPETTI_PLUGINS_DIR": "/x/p",
+           "NODE_NAME": "node-1"}
+    args = parse(["dra"], env)
+    assert (args.cdi_dir, args.registry_dir, args.plugins_dir, args.node_name) == (
+        Path("/x/cdi"), Path("/x/registry"), Path("/x/p"), "node-1")
+    assert parse(["plugin"], env).cdi_dir == Path("/x/cdi")
+
+
+def test_an_env_value_is_checked_as_its_flag_would_be() -> None:
+    with pytest.raises(UsageError, match=r"GPUPPETTI_LABEL_NODE='maybe': expected true or false \(or give "
+                                         r"--label-node\)"):
+        parse(["plugin"], {"GPUPPETTI_LABEL_NODE": "maybe"})
+    assert parse(["plugin", "--node-name", "n"], {"GPUPPETTI_LABEL_NODE": "true"}).label_node is True
+    assert parse(["plugin"], {"GPUPPETTI_LABEL_NODE": "false"}).label_node is False
+
+
+def _help(command: str) -> str:
+    return build_parser().commands[command].format_help()
+
+
+@pytest.mark.parametrize(("command", "expected"), [
+    ("manifests", ["--image IMAGE", "default localhost/gpuppetti:dev", "default no time-slicing",
+                   "default gpuppetti)"]),
+    ("host-agent", ["default gpuppetti)", "default 127.0.0.1:9410", "env GPUPPETTI_HOST_AGENT_LISTEN",
+                    "default 5)"]),
+    ("dra", ["env GPUPPETTI_CDI_DIR", "default /var/run/cdi", "env GPUPPETTI_REGISTRY_DIR",
+             "default /var/lib/kubelet/plugins_registry", "env GPUPPETTI_API_TIMEOUT", "default 10"]),
+    ("plugin", ["env GPUPPETTI_DEVICE_PLUGIN_DIR", "default /var/lib/kubelet/device-plugins", "exit codes:"]),
+    ("doctor", ["env CONTAINER_RUNTIME_ENDPOINT", "--daemon ADDRESS", "env GPUPPETTI_MODE", "--json"]),
+])
+def test_help_gives_each_default_and_env_var(command: str, expected: list[str]) -> None:
+    text = " ".join(_help(command).split())
+    for phrase in expected:
+        assert phrase in text, phrase
+
+
+def test_doctor_takes_the_daemons_address_as_they_write_it() -> None:
+    assert parse(["doctor"], {"GPUPPETTI_HTTP_ADDRESS": ":9400"}).daemon == "http://127.0.0.1:9400"
+    assert parse(["doctor", "--daemon", "[::1]:9400"], {}).daemon == "http://[::1]:9400"
+    assert parse(["doctor", "--daemon", "http://10.0.0.7:9400"], {}).daemon == "http://10.0.0.7:9400"
+    assert parse(["doctor"], {"GPUPPETTI_HTTP_ADDRESS": ""}).daemon is None, "off is not an address to ask"
+    assert parse(["doctor"], {"CONTAINER_RUNTIME_ENDPOINT": "unix:///run/x.sock"}).runtime_endpoint == Path(
+        "/run/x.sock")
+
+
+@pytest.mark.parametrize("command", ["", "plugin", "dra", "discover", "doctor", "manifests", "host-agent", "demo"])
+def test_help_fits_80_columns(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = build_parser()
+    text = (parser.commands[command] if command else parser).format_help()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
