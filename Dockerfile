@@ -6,9 +6,15 @@
 # escalation and mount the root filesystem read-only.
 
 FROM python:3.11-slim-bookworm AS build
+# The Vulkan layer and its probe are C, compiled into the wheel (setup.py); the image must have them.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev make libvulkan-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY src ./src
+COPY native ./native
+ENV GPUPPETTI_REQUIRE_LAYER=1
 RUN python -m pip install --no-cache-dir --upgrade pip \
  && python -m pip wheel --no-cache-dir --wheel-dir /wheels '.[nvml]'
 

@@ -8,7 +8,12 @@ STAMP := $(VENV)/.installed
 IMAGE ?= localhost/gpuppetti:dev
 CONTAINER_TOOL ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
 
-.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean
+# The Vulkan layer and its probe, built into the package (native/vulkan-layer).
+NATIVE_OUT := src/gpuppetti/_native
+NATIVE := $(NATIVE_OUT)/libVkLayer_gpuppetti.so $(NATIVE_OUT)/gpuppetti-vkinfo
+NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native/vulkan-layer/Makefile
+
+.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,17 +21,26 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# Without a C compiler or the Vulkan headers everything else still works: slices are then not enforced.
+native: $(NATIVE)
+$(NATIVE) &: $(NATIVE_SRC)
+	@if command -v $${CC:-cc} >/dev/null && [ -f /usr/include/vulkan/vulkan.h ]; then \
+	  $(MAKE) -C native/vulkan-layer OUT=$(abspath $(NATIVE_OUT)); \
+	else \
+	  echo "note: the Vulkan layer is not built (needs a C compiler and libvulkan-dev): slices are not enforced"; \
+	fi
+
+demo: $(STAMP) native
 	$(BIN)/gpuppetti demo
 	@echo "(gpuppetti is installed in $(BIN): '. $(BIN)/activate' puts the gpuppetti command on your PATH)"
 
-test: lint typecheck
+test: lint typecheck native
 	$(BIN)/python -m pytest
 
-unit: $(STAMP)
+unit: $(STAMP) native
 	$(BIN)/python -m pytest tests/unit
 
-e2e: $(STAMP)
+e2e: $(STAMP) native
 	$(BIN)/python -m pytest tests/e2e
 
 lint: $(STAMP)
@@ -46,7 +60,7 @@ proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info $(NATIVE_OUT) build
 
-bench: $(STAMP)
+bench: $(STAMP) native
 	PYTHONPATH=. $(BIN)/python bench/run.py --json bench/results.json

@@ -65,6 +65,9 @@ class DaemonProcess:
         # An ephemeral port, so that tests never collide on the default one; http_url() reads it from the log.
         if args[0] in ("plugin", "dra") and "--http-address" not in args:
             args = [*args, "--http-address", "127.0.0.1:0"]
+        # The layer goes into the test's directory, never the machine's /var/lib/gpuppetti.
+        if args[0] in ("plugin", "dra") and "--vulkan-layer-dir" not in args:
+            args = [*args, "--vulkan-layer-dir", str(workdir / "vulkan")]
         self.process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *args, "--log-level", "debug"],
                                         stdout=self._log, stderr=subprocess.STDOUT, env=environment,
                                         umask=-1 if umask is None else umask)

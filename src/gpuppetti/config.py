@@ -143,6 +143,8 @@ class ReplicatedResource(Strict):
     rename: ResourceName | None = None
     # GPU indexes or ids. None means every GPU of the resource.
     devices: list[str | int] | None = None
+    # The memory of one replica, which the Vulkan layer holds a container to; default: the GPU's memory / replicas.
+    slice_memory: Bytes | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _devices_not_empty(self) -> ReplicatedResource:
@@ -180,6 +182,9 @@ class TimeSlicing(Strict):
 
 class Sharing(Strict):
     time_slicing: TimeSlicing = Field(default_factory=TimeSlicing)
+    # Hold each container given a share of a GPU (a replica, a partition, a consumable share) to its memory through
+    # the Vulkan layer. Cooperative: docs/enforced-slices.md says what it does not stop.
+    enforce_memory: bool = True
 
 
 PartitionCount = Literal[2, 4, 8, 10, 20, 25, 40, 50]

@@ -16,15 +16,18 @@ from rich.text import Text
 
 from gpuppetti import cdi
 from gpuppetti.config import Config, load_config, parse_config
+from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import backends_for, discover
 from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
+from gpuppetti.quantity import format_bytes
 from gpuppetti.report import gpu_records, print_gpus
 from gpuppetti.runtime import Runtime
-from gpuppetti.sandbox import PodmanSandbox, SandboxError
+from gpuppetti.sandbox import PodmanSandbox, SandboxError, Seen
 from gpuppetti.sharing.replicas import plan_remarks
 from gpuppetti.tables import Column, Prose, print_table, print_trimmed
+from gpuppetti.vulkanlayer import LayerDir
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1
@@ -40,8 +43,26 @@ sharing:
 """
 
 
-def demo_config(path: Path | None) -> Config:
+# With real containers: one GPU the size of lavapipe's (a CPU Vulkan device shows at most 2 GiB), four slices of
+# 512 MiB that each container is held to through the Vulkan layer.
+DEFAULT_SANDBOX_CONFIG = """\
+version: v1
+backend: simulated
+simulated:
+  gpus:
+    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 2Gi, count: 1}
+sharing:
+  timeSlicing:
+    resources:
+      - name: apple.com/gpu
+        replicas: 4
+"""
+
+
+def demo_config(path: Path | None, sandbox: bool = False) -> Config:
     if path is None:
+        if sandbox:
+            return parse_config(DEFAULT_SANDBOX_CONFIG, "<built-in sandbox config>")
         return parse_config(DEFAULT_DEMO_CONFIG, "<built-in demo config>")
     return load_config(path)
 
@@ -71,7 +92,7 @@ async def run_demo(
 ) -> int:
     """The demo; returns the exit code (130 when interrupted). Raises DemoError, before anything starts, when it
     cannot run."""
-    config = demo_config(config_path)
+    config = demo_config(config_path, sandbox=runtime is not None)
     gpus = discover(backends_for(config, "simulated"))
     if not gpus:
         raise DemoError(f"the demo config {config.source} has no simulated GPUs (simulated.gpus)", bad_input=True)
@@ -102,7 +123,11 @@ async def run_demo(
         kubelet = KubeletEmulator(workdir)
         await kubelet.start()
         process.spawn("kubelet-emulator", _until_stopped(kubelet))
-        manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND)
+        # The Vulkan layer, installed in the demo's own directory: what each container gets mounted from.
+        enforcer = Enforcer(LayerDir(workdir / "vulkan"), workdir / "no-pod-resources.sock")
+        await enforcer.start(set())
+        manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND,
+                                      enforcer=enforcer)
         await manager.run(process)
         process.spawn("demo", _script(process, inventory, kubelet, console, workdir, sandbox))
 
@@ -184,15 +209,36 @@ async def _run_containers(
                 rows.append([pod.name, "", Text(str(exc), style="red"), ""])
                 continue
             devices = [f for f in seen.flags if "=" in f and not f.startswith("GPUPPETTI")]
+            slice_memory, heap, obtained = _vulkan_view(seen)
             rows.append([
                 pod.name,
+                slice_memory,
+                heap,
+                obtained,
                 "\n".join(f"--device {d}" for d in devices if "/" in d.split("=", 1)[0]),
                 "\n".join(f"{k}={v}" for k, v in sorted(seen.env.items())),
                 " ".join(seen.dev),
             ])
-    columns = [Column("pod"), Column("podman flags from Allocate", 2), Column("GPUPPETTI_* env inside"),
-               Column("/dev inside", 3)]
+    columns = [Column("pod"), Column("slice", 8, "right"), Column("heap seen", 8, "right"),
+               Column("obtained", 8, "right"), Column("podman flags from Allocate", 2),
+               Column("GPUPPETTI_* env inside", 5), Column("/dev inside", 3)]
     print_table(console, f"Containers run by podman ({sandbox.image}): what each one saw", columns, rows)
+
+
+def _vulkan_view(seen: Seen) -> tuple[str, str, str]:
+    """The slice's memory, the heap the container's Vulkan device showed, and what it obtained before refusal."""
+    budget = seen.env.get("GPUPPETTI_VK_SLICES", "")
+    memory = sum(int(entry.rpartition("=")[2]) for entry in budget.split(",") if entry.rpartition("=")[2].isdigit())
+    slice_memory = format_bytes(memory) if memory else "-"
+    report = seen.vulkan
+    if report is None:
+        return slice_memory, "no Vulkan", "-"
+    devices = report.get("devices") or []
+    if not devices:
+        return slice_memory, report.get("error", "no device"), "-"
+    heaps = devices[0].get("heaps") or [{}]
+    allocation = report.get("allocation") or {}
+    return slice_memory, format_bytes(heaps[0].get("size")), format_bytes(allocation.get("obtained"))
 
 
 def _print_slices(console: Console, inventory: Snapshot, kubelet: KubeletEmulator) -> None:
@@ -202,8 +248,10 @@ def _print_slices(console: Console, inventory: Snapshot, kubelet: KubeletEmulato
         for unit in plan.units:
             health = endpoint.devices.get(unit.id, "?") if endpoint else "?"
             pod = kubelet.pod_of(name, unit.id)
-            rows.append([unit.id, unit.gpu_id, name, health, pod or Text("free", style="dim")])
-    columns = [Column("slice"), Column("GPU", 3), Column("resource", 4), Column("health", 5), Column("pod")]
+            memory = format_bytes(unit.size.memory) if unit.size and unit.shared else "whole"
+            rows.append([unit.id, memory, unit.gpu_id, name, health, pod or Text("free", style="dim")])
+    columns = [Column("slice"), Column("memory", 6, "right"), Column("GPU", 3), Column("resource", 4),
+               Column("health", 5), Column("pod")]
     print_table(console, "Slices, as the kubelet sees them", columns, rows)
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from gpuppetti.config import parse_config
 from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Vendor
+from gpuppetti.nodepaths import DEFAULT_VULKAN_LAYER_DIR
 
 Mode = Literal["plugin", "dra"]
 DEFAULT_NAMESPACE = "gpuppetti"
@@ -185,6 +186,13 @@ def _env(options: Options) -> list[dict[str, Any]]:
             *({"name": key, "value": value} for key, value in settings.items())]
 
 
+def _layer_mount() -> tuple[dict[str, Any], dict[str, Any]]:
+    # Where the Vulkan layer is installed and each allocation's accounting kept: at the same path as on the host,
+    # since the mounts the daemon hands to containers name host paths.
+    path = str(DEFAULT_VULKAN_LAYER_DIR)
+    return {"name": "vulkan-layer", "mountPath": path}, _host_path("vulkan-layer", path, "DirectoryOrCreate")
+
+
 def _cdi_mount() -> tuple[dict[str, Any], dict[str, Any]]:
     return {"name": "cdi", "mountPath": "/var/run/cdi"}, _host_path("cdi", "/var/run/cdi", "DirectoryOrCreate")
 
@@ -194,9 +202,9 @@ def device_plugin(options: Options) -> list[dict[str, Any]]:
     mounts.insert(0, {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"})
     volumes.insert(0, _host_path("device-plugins", "/var/lib/kubelet/device-plugins"))
     # Where the CDI spec goes with a CDI deviceListStrategy; the runtime reads it on the host.
-    cdi_mount, cdi_volume = _cdi_mount()
-    mounts.append(cdi_mount)
-    volumes.append(cdi_volume)
+    for mount, volume in (_cdi_mount(), _layer_mount()):
+        mounts.append(mount)
+        volumes.append(volume)
     # The host agent's token, where a Mac runs one; optional, so that nodes without it start the same.
     mounts.append({"name": "host-agent-token", "mountPath": "/var/run/secrets/gpuppetti-host-agent",
                    "readOnly": True})
@@ -256,6 +264,9 @@ def dra_driver(options: Options) -> list[dict[str, Any]]:
     cdi_mount, cdi_volume = _cdi_mount()
     mounts.insert(0, cdi_mount)
     volumes.insert(0, cdi_volume)
+    layer_mount, layer_volume = _layer_mount()
+    mounts.append(layer_mount)
+    volumes.append(layer_volume)
     account = "gpuppetti-dra"
     rbac: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(account, namespace, "dra")},

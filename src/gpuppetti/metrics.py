@@ -42,6 +42,9 @@ class _InventoryCollector(Collector):
                                         "GPU busy percent, where the backend reports it", labels=["gpu", "model"])
         memory_used = GaugeMetricFamily("gpuppetti_gpu_memory_used_bytes",
                                         "GPU memory in use, where the backend reports it", labels=["gpu", "model"])
+        slice_memory = GaugeMetricFamily("gpuppetti_slice_memory_bytes",
+                                         "The memory of one slice of a shared GPU: what the Vulkan layer holds a "
+                                         "container given that slice to", labels=["resource", "gpu"])
         if inventory is not None:
             counts: dict[tuple[str, str, str, str], int] = {}
             for gpu in inventory.gpus.values():
@@ -57,9 +60,13 @@ class _InventoryCollector(Collector):
                 per_health: dict[str, int] = {"Healthy": 0, "Unhealthy": 0}
                 for unit in plan.units:
                     per_health[str(inventory.gpus[unit.gpu_id].health)] += 1
+                for gpu_id, gpu_units in plan.by_gpu:
+                    first = gpu_units[0]
+                    if first.shared and first.size is not None and first.size.memory is not None:
+                        slice_memory.add_metric([name, gpu_id], first.size.memory)
                 for health, count in per_health.items():
                     units.add_metric([name, health], count)
-        yield from (gpus, units, utilization, memory_used)
+        yield from (gpus, units, utilization, memory_used, slice_memory)
         claims = self._claims()
         if claims is not None:
             yield GaugeMetricFamily("gpuppetti_dra_prepared_claims", "Claims the DRA driver holds as prepared",

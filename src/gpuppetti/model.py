@@ -119,3 +119,11 @@ class ContainerEdits:
     def add_mount(self, mount: Mount) -> None:
         if mount not in self.mounts:
             self.mounts.append(mount)
+
+    def merge(self, other: ContainerEdits) -> None:
+        """Take ``other``'s edits too; its env wins where both set a variable."""
+        self.env.update(other.env)
+        for node in other.device_nodes:
+            self.add_device_node(node)
+        for mount in other.mounts:
+            self.add_mount(mount)

@@ -12,6 +12,8 @@ DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:9400"
+# Where the daemons install the Vulkan layer, and keep each allocation's accounting; mounted into containers.
+DEFAULT_VULKAN_LAYER_DIR = Path("/var/lib/gpuppetti/vulkan")
 DEFAULT_HOST_AGENT_TOKEN_FILE = "/var/run/secrets/gpuppetti-host-agent/token"
 
 # Where CRI runtimes listen, in the order crictl tries them (k3s keeps its own containerd).

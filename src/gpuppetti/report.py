@@ -13,15 +13,18 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-def _advertised(inventory: Snapshot) -> dict[str, tuple[str, int]]:
-    per_gpu: dict[str, tuple[str, int]] = {}
+def _advertised(inventory: Snapshot) -> dict[str, tuple[str, int, int | None]]:
+    """Per GPU: its resource, its number of units, and a unit's memory where it shares the GPU."""
+    per_gpu: dict[str, tuple[str, int, int | None]] = {}
     for name, plan in inventory.plan.items():
         for unit in plan.units:
-            per_gpu[unit.gpu_id] = (name, unit.replicas)
+            memory = unit.size.memory if unit.shared and unit.size is not None else None
+            per_gpu[unit.gpu_id] = (name, unit.replicas, memory)
     return per_gpu
 
 
-def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None) -> dict[str, Any]:
+def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
+               slice_memory: int | None = None) -> dict[str, Any]:
     return {
         "id": gpu.id,
         "index": gpu.index,
@@ -43,6 +46,8 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None) -> dict[str
         "facts": gpu.facts,
         "resource": resource,
         "replicas": replicas,
+        # What the Vulkan layer holds a container given one slice to; None for a whole GPU.
+        "slice_memory_bytes": slice_memory,
     }
 
 
@@ -50,8 +55,8 @@ def gpu_records(inventory: Snapshot) -> list[dict[str, Any]]:
     advertised = _advertised(inventory)
     records = []
     for gpu in inventory.gpus.values():
-        resource, replicas = advertised.get(gpu.id, (None, None))
-        records.append(gpu_record(gpu, resource, replicas))
+        resource, replicas, memory = advertised.get(gpu.id, (None, None, None))
+        records.append(gpu_record(gpu, resource, replicas, memory))
     return records
 
 
@@ -76,7 +81,8 @@ def print_gpus(console: Console, records: list[dict[str, Any]], title: str = "GP
 
     # The order of the columns; their ranks say which go first when the width is short.
     columns = [Column("GPU"), Column("model", 9), Column("resource", 8), Column("slices", 6, "right"),
-               Column("health", 4), Column("memory", 5, "right"), Column("device nodes", 7),
+               Column("slice memory", 6, "right"), Column("health", 4), Column("memory", 5, "right"),
+               Column("device nodes", 7),
                Column("cores", 3, "right"), Column("vendor", 2), Column("NUMA", 2, "right"), Column("backend", 1),
                Column("facts", 1)]
     rows = [
@@ -85,6 +91,7 @@ def print_gpus(console: Console, records: list[dict[str, Any]], title: str = "GP
             Prose(record["model"]),
             record["resource"] or "-",
             str(record["replicas"] or "-"),
+            format_bytes(record.get("slice_memory_bytes")),
             record["health"],
             format_bytes(record["memory_bytes"]),
             "\n".join(record["device_nodes"]) or "-",

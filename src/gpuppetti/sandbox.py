@@ -3,11 +3,16 @@
 CDI names become ``--device vendor/class=name`` (podman resolves them from /etc/cdi and /var/run/cdi), device
 specs become ``--device host:container:perms``, env becomes ``--env`` and mounts ``--mount``. Every argument is
 passed as a list, never through a shell.
+
+The image is built here, from the host's own files: a static busybox, and, where the host has them, the Vulkan
+loader and Mesa's lavapipe with the libraries they load, so that each container can run the Vulkan layer's probe
+against a GPU it really sees. Nothing is pulled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import tarfile
@@ -15,17 +20,26 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.model import ContainerEdits, DeviceNode, Mount
 
-DEFAULT_IMAGE = "localhost/gpuppetti-sandbox:busybox"
+BUSYBOX_IMAGE = "localhost/gpuppetti-sandbox:busybox"
+VULKAN_IMAGE = "localhost/gpuppetti-sandbox:vulkan"
 BUSYBOX = Path("/bin/busybox")
+VULKAN_LOADER = Path("/usr/lib/x86_64-linux-gnu/libvulkan.so.1")
+ICD_DIR = Path("/usr/share/vulkan/icd.d")
+VKINFO = "/usr/local/bin/gpuppetti-vkinfo"
+# Each container's Vulkan workload: allocate chunks of this many MiB until refused.
+CHUNK_MIB = 16
 # The flags that make Debian's podman 4.3 run here: runc with cgroupfs, no network, bounded ulimits.
 PODMAN_FLAGS = ("--runtime", "/usr/sbin/runc", "--cgroup-manager", "cgroupfs")
 RUN_FLAGS = ("--rm", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")
-# What each container prints: its GPUPPETTI_* env (CDI's marker included), then its /dev entries.
-PROBE = ("/bin/sh", "-c", "env | grep '^GPUPPETTI_' | sort; echo '--- /dev'; ls /dev")
+# What each container prints: its GPUPPETTI_* env (CDI's marker included), its /dev entries, and, where the Vulkan
+# layer's probe was mounted in, what the container sees of its GPU and obtains from it.
+PROBE = ("/bin/sh", "-c", "env | grep '^GPUPPETTI_' | sort; echo '--- /dev'; ls /dev; echo '--- vulkan'; "
+         f"if [ -x {VKINFO} ]; then {VKINFO} --json --allocate {CHUNK_MIB}; fi")
 TIMEOUT_S = 120.0
 
 
@@ -38,6 +52,8 @@ class Seen:
     env: dict[str, str]
     dev: list[str]
     flags: list[str]
+    # The probe's report (gpuppetti-vkinfo --json), where the container ran it.
+    vulkan: dict[str, Any] | None = None
 
 
 def edits_of(response: pb.ContainerAllocateResponse) -> tuple[ContainerEdits, list[str]]:
@@ -69,15 +85,30 @@ def allocation_flags(response: pb.ContainerAllocateResponse) -> list[str]:
     return podman_flags(*edits_of(response))
 
 
-def parse_probe(output: str) -> tuple[dict[str, str], list[str]]:
-    env_part, _, dev_part = output.partition("--- /dev")
+def parse_probe(output: str) -> tuple[dict[str, str], list[str], dict[str, Any] | None]:
+    env_part, _, rest = output.partition("--- /dev")
+    dev_part, _, vulkan_part = rest.partition("--- vulkan")
     env = dict(line.split("=", 1) for line in env_part.splitlines() if "=" in line)
-    return env, dev_part.split()
+    vulkan: dict[str, Any] | None = None
+    if vulkan_part.strip():
+        try:
+            vulkan = json.loads(vulkan_part)
+        except ValueError:
+            vulkan = {"error": vulkan_part.strip()[:200]}
+    return env, dev_part.split(), vulkan
+
+
+def vulkan_icd() -> Path | None:
+    """Mesa's lavapipe ICD manifest on this host, if it has one (and the loader)."""
+    if not VULKAN_LOADER.exists():
+        return None
+    return next(iter(sorted(ICD_DIR.glob("lvp_icd*.json"))), None)
 
 
 class PodmanSandbox:
     def __init__(self, image: str | None = None, podman: str = "podman") -> None:
-        self.image = image or DEFAULT_IMAGE
+        self._icd = vulkan_icd() if image is None else None
+        self.image = image or (VULKAN_IMAGE if self._icd is not None else BUSYBOX_IMAGE)
         self._build_default = image is None
         self._podman = podman
 
@@ -115,29 +146,63 @@ class PodmanSandbox:
         if not self._build_default:
             raise SandboxError(f"--image {self.image}: no such image here, and the sandbox pulls nothing: pull or "
                                "build it first (podman pull, podman build), or leave --image out for the built-in one")
-        await self._build_busybox_image()
+        libraries = await self._vulkan_libraries() if self._icd is not None else []
+        await self._build_image(libraries)
         return self.image
 
-    async def _build_busybox_image(self) -> None:
-        # A root filesystem of one static busybox: no registry, no base image.
+    async def _vulkan_libraries(self) -> list[Path]:
+        """The loader, lavapipe, and every library they load, as ldd names them."""
+        assert self._icd is not None
+        driver = Path(json.loads(self._icd.read_text())["ICD"]["library_path"])
+        found: dict[str, Path] = {}
+        for binary in (VULKAN_LOADER, driver):
+            process = await asyncio.create_subprocess_exec("ldd", str(binary), stdout=asyncio.subprocess.PIPE,
+                                                           stderr=asyncio.subprocess.PIPE)
+            stdout, _ = await process.communicate()
+            if process.returncode != 0:
+                raise SandboxError(f"ldd {binary} failed")
+            for line in stdout.decode().splitlines():
+                path = line.split("=>")[-1].split("(")[0].strip()
+                if path.startswith("/"):
+                    found[path] = Path(path)
+            found[str(binary)] = binary
+        return list(found.values())
+
+    async def _build_image(self, libraries: list[Path]) -> None:
+        # A root filesystem of one static busybox, and the Vulkan libraries copied from this host: no registry,
+        # no base image.
         with tempfile.TemporaryDirectory(prefix="gpuppetti-image-") as workdir:
             root = Path(workdir) / "root"
-            for directory in ("bin", "dev", "proc", "sys", "tmp"):
+            for directory in ("bin", "dev", "proc", "sys", "tmp", "usr/local/bin", "etc/vulkan/implicit_layer.d"):
                 (root / directory).mkdir(parents=True)
             shutil.copy2(BUSYBOX, root / "bin" / "busybox")
             for applet in ("sh", "env", "ls", "cat", "grep", "sort", "echo"):
                 os.symlink("busybox", root / "bin" / applet)
+            for library in libraries:
+                # The file itself, at the path the loader asks for (no links to follow inside the image).
+                target = root / library.relative_to("/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(library.resolve(), target)
+                os.chmod(target, 0o755)
+            if self._icd is not None:
+                target = root / self._icd.relative_to("/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(self._icd, target)
             archive = Path(workdir) / "rootfs.tar"
             with tarfile.open(archive, "w") as tar:
                 tar.add(root, arcname=".")
             code, _, stderr = await self._podman_call("import", str(archive), self.image)
         if code != 0:
-            raise SandboxError(f"building {self.image} from {BUSYBOX} failed: {stderr.strip()}")
+            raise SandboxError(f"building {self.image} from this host's files failed: {stderr.strip()}")
+
+    async def shell(self, name: str, flags: Sequence[str], script: str) -> tuple[int, str, str]:
+        """Run ``script`` with /bin/sh in a container given ``flags``; (exit code, stdout, stderr)."""
+        return await self._podman_call("run", *RUN_FLAGS, "--name", name, *flags, self.image, "/bin/sh", "-c", script)
 
     async def run(self, name: str, response: pb.ContainerAllocateResponse) -> Seen:
         flags = allocation_flags(response)
         code, stdout, stderr = await self._podman_call("run", *RUN_FLAGS, "--name", name, *flags, self.image, *PROBE)
         if code != 0:
             raise SandboxError(f"container {name} failed ({code}): {stderr.strip()}")
-        env, dev = parse_probe(stdout)
-        return Seen(env, dev, flags)
+        env, dev, vulkan = parse_probe(stdout)
+        return Seen(env, dev, flags, vulkan)

@@ -265,6 +265,9 @@ class RealNode:
     def gpuppetti(self, name: str, *args: str) -> Daemon:
         """Start ``gpuppetti ARGS`` on the host as ``name``, from the venv running the tests."""
         program = Path(sys.executable).parent / "gpuppetti"
+        if args and args[0] in ("plugin", "dra") and "--vulkan-layer-dir" not in args:
+            # The node's state directory, which the suite's teardown removes, rather than the host's /var/lib.
+            args = (*args, "--vulkan-layer-dir", str(self.dir / "vulkan"))
         daemon = Daemon(self, name)
         daemon.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(daemon.log_path, "a") as log:

@@ -12,6 +12,7 @@ options, as a user passes them.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -88,9 +89,14 @@ def doctor_in_pod(node: RealNode, component: str) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture
 def label(node: RealNode) -> Iterator[None]:
+    # The DaemonSets install the Vulkan layer on the host, where they run: gone again after, unless it was there.
+    layer = Path("/var/lib/gpuppetti")
+    existed = layer.exists()
     yield
     node.kubectl("label", "node", node.name, f"{MODE_LABEL}-", check=False)
     node.delete("namespace", NAMESPACE)
+    if not existed:
+        shutil.rmtree(layer, ignore_errors=True)
 
 
 def test_both_daemonsets_run_from_the_image_one_mode_per_node(

@@ -58,12 +58,16 @@ async def test_pods_get_their_slices_and_env(
     gpus = {first.device_ids[0].split("::")[0], second.device_ids[0].split("::")[0]}
     assert gpus == {"sim-apple-0", "sim-apple-1"}
     env = dict(first.response.envs)
-    assert env == {
+    expected = {
         "GPUPPETTI_VISIBLE_DEVICES": first.device_ids[0].split("::")[0],
         "GPUPPETTI_SLICES": first.device_ids[0],
         "GPUPPETTI_SHARING": "time-slicing",
         "GPUPPETTI_REPLICAS": "4",
     }
+    if "GPUPPETTI_VK_SLICES" in env:  # where the Vulkan layer is built: a quarter of 48 GiB, enforced
+        expected |= {"GPUPPETTI_VK_SLICES": f"any={12 * 2**30}", "GPUPPETTI_VK_ACCOUNTING": "/run/gpuppetti/vulkan",
+                     "GPUPPETTI_LIMITS": "vulkan"}
+    assert env == expected
 
     pair = (await kubelet.admit(Pod.simple("pair", APPLE, 2)))[0]
     assert pair.preferred is not None, "with 6 free slices the kubelet has a choice and must ask"

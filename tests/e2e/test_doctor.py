@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gpuppetti.kubelet.emulator import KubeletEmulator
+from gpuppetti.vulkanlayer import BUILT, LIBRARY, LayerDir
 from tests.fixtures import amd_machine
 from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli, short_tmpdir
 from tests.standins.cri import CriStandIn
@@ -38,6 +39,8 @@ def node() -> Iterator[Path]:
     loader.write_bytes(b"")
     for directory in ("registry", "cdi"):
         (root / directory).mkdir()
+    if (BUILT / LIBRARY).exists():
+        LayerDir(root / "vulkan").install()
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -45,7 +48,7 @@ def node() -> Iterator[Path]:
 def _doctor(node: Path, device_plugin_dir: Path, *extra: str) -> tuple[int, list[dict[str, Any]], str]:
     args = ["doctor", "--host-root", str(node / "host"), "--device-plugin-dir", str(device_plugin_dir),
             "--registry-dir", str(node / "registry"), "--cdi-dir", str(node / "cdi"),
-            "--runtime-endpoint", f"unix://{node / 'cri.sock'}", *extra]
+            "--runtime-endpoint", f"unix://{node / 'cri.sock'}", "--vulkan-layer-dir", str(node / "vulkan"), *extra]
     as_json = run_cli(*args, "--json")
     text = run_cli(*args, env={"COLUMNS": "120"})
     assert "Traceback" not in as_json.stderr + text.stderr
@@ -71,7 +74,8 @@ async def test_a_node_with_everything_in_place(
     assert {name: r["status"] for name, r in checks.items()} == {
         "config": "ok", "GPUs": "ok", "host agent": "skip", "kubelet device plugins": "ok",
         "kubelet plugin registry": "ok", "container runtime": "ok", "CDI in the runtime": "ok",
-        "CDI directory": "ok", "Vulkan": "ok", "daemon": "ok"}
+        "CDI directory": "ok", "Vulkan": "ok", "daemon": "ok",
+        "Vulkan layer": "ok" if (BUILT / LIBRARY).exists() else "warn"}
     assert "1 found by drm: amd-0000-03-00.0 (Navi 31" in checks["GPUs"]["detail"]
     assert checks["container runtime"]["detail"].startswith("containerd 2.1.4 (CRI v1)")
     assert "radeon_icd.x86_64.json (libvulkan_radeon.so)" in checks["Vulkan"]["detail"]

@@ -52,6 +52,8 @@ async def test_healthz_is_ready_once_registered_and_metrics_count(
     # The kubelet deleted the plugin's socket twice: when it first started, and when it restarted.
     assert 'gpuppetti_plugin_restarts_total{resource="apple.com/gpu"} 2.0' in lines
     assert 'gpuppetti_units{health="Healthy",resource="apple.com/gpu"} 8.0' in lines
+    # 48 GiB in 4 slices: what the Vulkan layer holds a container given one to.
+    assert 'gpuppetti_slice_memory_bytes{gpu="sim-apple-0",resource="apple.com/gpu"} 1.2884901888e+10' in lines
     assert 'gpuppetti_gpus{backend="simulated",health="Healthy",model="Apple M3 Max",vendor="apple"} 2.0' in lines
     assert any(line.startswith('gpuppetti_allocate_duration_seconds_bucket{le="0.005",resource="apple.com/gpu"}')
                for line in lines)

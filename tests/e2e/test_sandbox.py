@@ -8,7 +8,8 @@ import os
 import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti.sandbox import PodmanSandbox, allocation_flags, parse_probe
+from gpuppetti.sandbox import PodmanSandbox, allocation_flags, parse_probe, vulkan_icd
+from gpuppetti.vulkanlayer import BUILT, LIBRARY
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.e2e
@@ -34,9 +35,12 @@ def test_allocation_becomes_podman_flags() -> None:
 
 
 def test_probe_output() -> None:
-    env, dev = parse_probe("GPUPPETTI_SLICES=a::0\nGPUPPETTI_SHARING=time-slicing\n--- /dev\nnull\nzero\n")
+    env, dev, vulkan = parse_probe("GPUPPETTI_SLICES=a::0\nGPUPPETTI_SHARING=time-slicing\n--- /dev\nnull\nzero\n"
+                                   "--- vulkan\n")
     assert env == {"GPUPPETTI_SLICES": "a::0", "GPUPPETTI_SHARING": "time-slicing"}
-    assert dev == ["null", "zero"]
+    assert (dev, vulkan) == (["null", "zero"], None)
+    _, _, vulkan = parse_probe('--- /dev\nnull\n--- vulkan\n{"layer": true, "devices": []}\n')
+    assert vulkan == {"layer": True, "devices": []}
 
 
 def test_demo_runs_each_pod_in_a_real_container() -> None:
@@ -51,8 +55,15 @@ def test_demo_runs_each_pod_in_a_real_container() -> None:
     # Seen from inside: the CDI device's marker (applied by podman from the spec) and the Allocate env.
     assert "GPUPPETTI_CDI_SIM_APPLE_0=sim-apple-0" in out
     assert "GPUPPETTI_SLICES=sim-apple-0::0" in out
-    assert "--device sandbox.gpuppetti.dev/gpu=sim-apple-1" in out
+    assert "--device sandbox.gpuppetti.dev/gpu=sim-apple-0" in out
     assert "urandom" in out
+    # A 2 GiB GPU in four slices: each container sees its slice as its GPU's heap, and obtains all of it; the pod
+    # given two slices, twice that. (Where the layer is built and the host has lavapipe.)
+    if (BUILT / LIBRARY).exists() and vulkan_icd() is not None:
+        containers = out[out.index("Containers run by podman"):]
+        rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:5]]
+                for line in containers.splitlines() if line.startswith("│ gpu-pod-")}
+        assert rows == {"gpu-pod-1": ["512 MiB"] * 3, "gpu-pod-2": ["512 MiB"] * 3, "gpu-pod-3": ["1 GiB"] * 3}
     assert not os.path.exists("/var/run/cdi/sandbox.gpuppetti.dev-gpu.json"), "the sandbox cleans up its spec"
 
 

@@ -119,7 +119,8 @@ def test_daemonset_security_and_mounts() -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]}
     assert mounts == {"/etc/gpuppetti": True, "/var/lib/kubelet/device-plugins": False, "/host": True,
-                      "/var/run/cdi": False, "/var/run/secrets/gpuppetti-host-agent": True}
+                      "/var/run/cdi": False, "/var/run/secrets/gpuppetti-host-agent": True,
+                      "/var/lib/gpuppetti/vulkan": False}
     [host] = [v for v in spec["volumes"] if v["name"] == "host-root"]
     assert host["hostPath"]["path"] == "/", "/proc and the NVML library come from the host too"
     [secret] = [v for v in spec["volumes"] if "secret" in v]

@@ -187,3 +187,27 @@ def test_the_cri_subset_is_wire_compatible_with_runtime_v1() -> None:
     assert declared == {(m, f) for m, f, _ in CRI_FIELDS}
     methods = cri.DESCRIPTOR.services_by_name["RuntimeService"].methods_by_name
     assert sorted(methods) == ["Status", "Version"]
+
+
+from gpuppetti._proto.podresources.v1 import api_pb2 as podresources  # noqa: E402
+
+PODRESOURCES_FIELDS = [
+    ("ListPodResourcesResponse", "pod_resources", 1),
+    ("PodResources", "name", 1),
+    ("PodResources", "namespace", 2),
+    ("PodResources", "containers", 3),
+    ("ContainerResources", "name", 1),
+    ("ContainerResources", "devices", 2),
+    ("ContainerDevices", "resource_name", 1),
+    ("ContainerDevices", "device_ids", 2),
+]
+
+
+def test_the_podresources_subset_is_wire_compatible_with_v1() -> None:
+    assert podresources.DESCRIPTOR.package == "v1"
+    for message, name, number in PODRESOURCES_FIELDS:
+        field = podresources.DESCRIPTOR.message_types_by_name[message].fields_by_name[name]
+        assert field.number == number, (message, name)
+    declared = {(m.name, f.name) for m in podresources.DESCRIPTOR.message_types_by_name.values() for f in m.fields}
+    assert declared == {(m, f) for m, f, _ in PODRESOURCES_FIELDS}
+    assert list(podresources.DESCRIPTOR.services_by_name["PodResourcesLister"].methods_by_name) == ["List"]

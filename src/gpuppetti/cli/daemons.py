@@ -21,7 +21,7 @@ def plugin(args: argparse.Namespace) -> int:
     from gpuppetti.deviceplugin.run import Labelling, PluginOptions, run_plugin
 
     labelling = Labelling(args.node_name, args.kubeconfig) if args.label_node else None
-    options = PluginOptions(args.device_plugin_dir, args.http_address, args.cdi_dir, labelling)
+    options = PluginOptions(args.device_plugin_dir, args.http_address, args.cdi_dir, labelling, args.vulkan_layer_dir)
     return run_daemon(run_plugin(sources(args), options))
 
 
@@ -32,7 +32,7 @@ def dra(args: argparse.Namespace) -> int:
     from gpuppetti.dra.run import DraOptions, run_dra
 
     options = DraOptions(args.node_name, args.registry_dir, args.plugins_dir, args.cdi_dir, args.kubeconfig,
-                         args.http_address, args.api_timeout)
+                         args.http_address, args.api_timeout, args.vulkan_layer_dir)
     return run_daemon(run_dra(sources(args), options))
 
 

@@ -15,6 +15,7 @@ from gpuppetti.nodepaths import (
     DEFAULT_HTTP_ADDRESS,
     DEFAULT_PLUGINS_DIR,
     DEFAULT_REGISTRY_DIR,
+    DEFAULT_VULKAN_LAYER_DIR,
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -50,6 +51,13 @@ def _http(parser: Parser) -> None:
 def _cdi_dir(parser: Parser, what: str) -> None:
     option(parser, "--cdi-dir", env="GPUPPETTI_CDI_DIR", convert=values.path, default=DEFAULT_CDI_DIR,
            metavar="DIR", help=what)
+
+
+def _vulkan_layer_dir(parser: Parser) -> None:
+    option(parser, "--vulkan-layer-dir", env="GPUPPETTI_VULKAN_LAYER_DIR", convert=values.optional_path,
+           default=DEFAULT_VULKAN_LAYER_DIR, metavar="DIR",
+           help="where the Vulkan layer that enforces slices is installed, and each allocation's accounting kept; "
+           "containers mount it; '' turns enforcement off", empty_is_value=True)
 
 
 def _node_name(parser: Parser, what: str) -> None:
@@ -105,6 +113,7 @@ def build_parser() -> Parser:
            help="label this node with its GPU (gpuppetti.dev/gpu.vendor, .model, .cores, .memory, .count, "
            ".replicas, .sharing-strategy) and keep the labels current; needs --node-name and RBAC to get and "
            "patch its Node")
+    _vulkan_layer_dir(plugin)
     _node_name(plugin, "this node's name, for --label-node")
     _kubeconfig(plugin, "kubeconfig for --label-node")
     _discovery(plugin)
@@ -125,6 +134,7 @@ def build_parser() -> Parser:
     option(dra, "--plugins-dir", env="GPUPPETTI_PLUGINS_DIR", convert=values.path, default=DEFAULT_PLUGINS_DIR,
            metavar="DIR", help="where the driver's socket and checkpoint go, under <driver>/")
     _cdi_dir(dra, "where the per-claim CDI specs are written")
+    _vulkan_layer_dir(dra)
     _kubeconfig(dra, "kubeconfig for the API server")
     option(dra, "--api-timeout", env="GPUPPETTI_API_TIMEOUT", convert=values.seconds, default=DEFAULT_API_TIMEOUT_S,
            shown_default="10", metavar="SECONDS",
@@ -163,6 +173,7 @@ def build_parser() -> Parser:
     option(doctor, "--registry-dir", env="GPUPPETTI_REGISTRY_DIR", convert=values.path,
            default=DEFAULT_REGISTRY_DIR, metavar="DIR", help="the kubelet's plugin registry directory")
     _cdi_dir(doctor, "the CDI directory the daemons write")
+    _vulkan_layer_dir(doctor)
     option(doctor, "--runtime-endpoint", env="CONTAINER_RUNTIME_ENDPOINT", convert=values.endpoint, metavar="SOCKET",
            shown_default="the first of containerd's, CRI-O's, cri-dockerd's and k3s's sockets found, under "
            "--host-root too", help="the container runtime's CRI socket, as crictl takes it")

@@ -104,6 +104,11 @@ def path(text: str) -> Path:
     return _path(text)
 
 
+def optional_path(text: str) -> Path | None:
+    """A path, or '' for none (a feature turned off)."""
+    return Path(text) if text else None
+
+
 def _path(text: str) -> Path:
     if not text:
         raise Bad("must not be empty")

@@ -33,6 +33,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.backoff import Backoff
 from gpuppetti.deviceplugin import cdispec
+from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.deviceplugin.server import DevicePluginService, too_big
 from gpuppetti.fsutil import make_directory
 from gpuppetti.grpcutil import new_server
@@ -69,14 +70,15 @@ class ResourceEndpoint:
 
     def __init__(
         self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics, cdi_kind: str = cdispec.KIND,
-        wake: asyncio.Event | None = None,
+        wake: asyncio.Event | None = None, enforcer: Enforcer | None = None,
     ) -> None:
         self.resource = resource
         self.socket_name = socket_name(resource)
         self.path = directory / self.socket_name
         # A ListAndWatch stream opening or ending wakes the supervisor: it is how a registration lives or dies.
         self.wake = wake or asyncio.Event()
-        self.service = DevicePluginService(inventory, resource, metrics, cdi_kind, lambda count: self.wake.set())
+        self.service = DevicePluginService(inventory, resource, metrics, cdi_kind, lambda count: self.wake.set(),
+                                           enforcer)
         self._server: grpc.aio.Server | None = None
         self._inode: int | None = None
         # Bumped on every (re)start: a new socket needs a new registration.
@@ -176,13 +178,14 @@ class DevicePluginManager:
 
     def __init__(
         self, inventory: Inventory, directory: Path, metrics: Metrics | None = None, cdi_dir: Path | None = None,
-        cdi_kind: str = cdispec.KIND,
+        cdi_kind: str = cdispec.KIND, enforcer: Enforcer | None = None,
     ) -> None:
         self._inventory = inventory
         self.directory = directory
         self.metrics = metrics or Metrics()
         self.cdi_dir = cdi_dir
         self.cdi_kind = cdi_kind
+        self.enforcer = enforcer
         self._cdi_written: dict[str, object] | None = None
         self.kubelet_socket = directory / KUBELET_SOCKET
         self._resources: dict[str, _Supervised] = {}
@@ -266,7 +269,7 @@ class DevicePluginManager:
                 for name in sorted(wanted - self._resources.keys()):
                     wake = asyncio.Event()
                     endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics, self.cdi_kind,
-                                                wake)
+                                                wake, self.enforcer)
                     # The list is encoded before the kubelet asks for it: its first list costs a join.
                     self._inventory.snapshot.device_list(name)
                     task = runtime.spawn(f"device-plugin {name}", self._supervise(endpoint, wake))

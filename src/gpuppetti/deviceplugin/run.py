@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuppetti.daemon import Sources, reload, start_inventory
+from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import looked_at
 from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.metrics import Metrics
 from gpuppetti.report import gpu_records
 from gpuppetti.runtime import Runtime, StartupError
+from gpuppetti.vulkanlayer import LayerDir
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ class PluginOptions:
     http_address: str | None = None
     cdi_dir: Path | None = None
     labelling: Labelling | None = None
+    # Where the Vulkan layer is installed for the containers; None: slices are not enforced.
+    vulkan_layer_dir: Path | None = None
 
 
 async def run_plugin(sources: Sources, options: PluginOptions) -> None:
@@ -53,7 +57,14 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     for name, plan in inventory.plan.items():
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
     metrics.watch(inventory)
-    manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.cdi_dir)
+    enforcer = None
+    if options.vulkan_layer_dir is not None:
+        enforcer = Enforcer(LayerDir(options.vulkan_layer_dir), pod_resources_socket(options.device_plugin_dir))
+        await enforcer.start({unit.id for plan in inventory.plan.values() for unit in plan.units})
+        if enforcer.available:
+            runtime.spawn("layer-directories", enforcer.keep_in_use())
+    manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.cdi_dir,
+                                  enforcer=enforcer)
 
     def waiting_for() -> str | None:
         if not inventory.gpus:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -23,9 +23,13 @@ from gpuppetti.deviceplugin import cdispec
 from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.metrics import Metrics
 from gpuppetti.model import ContainerEdits, Health
+from gpuppetti.sharing.budgets import unit_budgets
 from gpuppetti.sharing.edits import container_edits
 from gpuppetti.sharing.policy import preferred_allocation
 from gpuppetti.sharing.replicas import Unit
+
+if TYPE_CHECKING:
+    from gpuppetti.deviceplugin.enforcement import Enforcer
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +114,9 @@ class DevicePluginService:
     """The RPCs of one resource. ``streams`` tells the endpoint how many kubelet streams are open."""
 
     def __init__(self, inventory: Inventory, resource: str, metrics: Metrics, cdi_kind: str = cdispec.KIND,
-                 on_streams: Callable[[int], None] | None = None) -> None:
+                 on_streams: Callable[[int], None] | None = None, enforcer: Enforcer | None = None) -> None:
         self._inventory = inventory
+        self._enforcer = enforcer
         self._resource = resource
         self._metrics = metrics
         self._cdi_kind = cdi_kind
@@ -247,13 +252,32 @@ class DevicePluginService:
                 gpu_ids = list(dict.fromkeys(u.gpu_id for u in units))
                 names = [cdi.qualified_name(self._cdi_kind, cdispec.device_name(snapshot.gpus[g])) for g in gpu_ids]
                 annotation = cdispec.annotation_key(self._resource, [u.id for u in units])
-            response.container_responses.append(
-                edits_to_response(container_edits(units, snapshot.gpus), strategies, names, annotation))
+            edits = container_edits(units, snapshot.gpus)
+            layer = await self._layer_edits(snapshot, units)
+            if layer is not None:
+                edits.env.update(layer.env)
+            answer = edits_to_response(edits, strategies, names, annotation)
+            # The layer's mounts are the allocation's own: no CDI spec can carry them, so they go in whatever the
+            # strategy.
+            for mount in layer.mounts if layer is not None else ():
+                answer.mounts.add(container_path=mount.container_path, host_path=mount.host_path,
+                                  read_only=mount.read_only)
+            response.container_responses.append(answer)
             self._units.inc(len(units))
             # Debug, not info: a line per Allocate costs more than the Allocate itself.
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s: allocated %s", self._resource, ", ".join(u.id for u in units))
         return response
+
+    async def _layer_edits(self, snapshot: Snapshot, units: Sequence[Unit]) -> ContainerEdits | None:
+        """The Vulkan layer's edits for a container given shares of a GPU; None where nothing is enforced."""
+        enforcer = self._enforcer
+        if enforcer is None or not enforcer.available or not snapshot.config.sharing.enforce_memory:
+            return None
+        budgets = unit_budgets(units, snapshot.gpus)
+        if not budgets:
+            return None
+        return await enforcer.allocate([unit.id for unit in units], budgets)
 
     async def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext

@@ -35,6 +35,7 @@ async def checkup(settings: Settings) -> list[Result]:
         *runtime.result(),
         checks.cdi_dir_check(settings.cdi_dir),
         checks.vulkan_check(host),
+        checks.layer_check(settings.vulkan_layer_dir),
         daemon.result(),
     ]
 

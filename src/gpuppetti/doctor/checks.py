@@ -24,6 +24,7 @@ from gpuppetti.httpclient import FetchError, get
 from gpuppetti.nodepaths import CRI_SOCKETS, KUBELET_SOCKET
 from gpuppetti.quantity import format_bytes
 from gpuppetti.sharing.replicas import plan_remarks
+from gpuppetti.vulkanlayer import BUILT, LIBRARY, MANIFEST, PROBE, LayerDir
 
 SOCKET_TIMEOUT_S = 2.0
 # Where distributions put the Vulkan loader, and where the loader looks for drivers (ICD manifests).
@@ -41,6 +42,7 @@ class Settings:
     cdi_dir: Path
     runtime_endpoint: Path | None = None
     daemon_url: str | None = None
+    vulkan_layer_dir: Path | None = None
     # plugin, dra or both: the kubelet directory of a mode the node does not run is not checked.
     mode: str = "both"
 
@@ -185,6 +187,21 @@ def vulkan_check(host_root: Path) -> Result:
                     f"{', '.join(VULKAN_ICD_DIRS)}", fix_drivers)
     loader = f"loader {loaders[0]}" if loaders else "no loader on the host (the workload's image brings its own)"
     return ok(check, f"{loader}; drivers: {', '.join(drivers)}")
+
+
+def layer_check(directory: Path | None) -> Result:
+    check = "Vulkan layer"
+    if directory is None:
+        return skip(check, "slices are not enforced (--vulkan-layer-dir '')")
+    if not (BUILT / LIBRARY).exists():
+        return warn(check, "this installation has no built Vulkan layer: slices are not enforced",
+                    "build it (make native: needs a C compiler and libvulkan-dev), or use the image, which has it")
+    installed = [name for name in (MANIFEST, LIBRARY, PROBE) if (directory / name).is_file()]
+    if len(installed) < 3:
+        return warn(check, f"not installed in {directory} yet: the plugin or driver installs it when it starts",
+                    "start the daemon with this --vulkan-layer-dir (the DaemonSets mount /var/lib/gpuppetti/vulkan)")
+    allocations = LayerDir(directory).existing()
+    return ok(check, f"installed in {directory}; {len(allocations)} allocation(s) held to their slices")
 
 
 def _icd_name(manifest: Path) -> str:

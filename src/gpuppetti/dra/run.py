@@ -36,6 +36,7 @@ from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.report import gpu_records
 from gpuppetti.runtime import Runtime, StartupError
+from gpuppetti.vulkanlayer import LayerDir, LayerUnavailable
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class DraOptions:
     kubeconfig: Path | None = None
     http_address: str | None = None
     api_timeout: float = REQUEST_TIMEOUT_S
+    # Where the Vulkan layer is installed for the containers; None: slices are not enforced.
+    vulkan_layer_dir: Path | None = None
 
 
 class _Socket:
@@ -133,6 +136,20 @@ async def _keep_cdi_specs(state: DraState) -> None:
             backoff.reset()
 
 
+async def install_layer(directory: Path | None) -> LayerDir | None:
+    """The installed Vulkan layer, or None (said in the log) where slices cannot be enforced."""
+    if directory is None:
+        return None
+    layer = LayerDir(directory)
+    try:
+        await asyncio.to_thread(layer.install)
+    except LayerUnavailable as exc:
+        log.warning("slices are not enforced: %s", exc)
+        return None
+    log.info("slices are enforced through the Vulkan layer in %s", directory)
+    return layer
+
+
 async def run_dra(sources: Sources, options: DraOptions) -> None:
     await Runtime().run(lambda runtime: start_dra(runtime, sources, options))
 
@@ -169,7 +186,8 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         checkpoint.load()
     except UnusableCheckpoint as exc:
         raise StartupError(str(exc)) from exc
-    state = DraState(inventory, options.node_name, options.cdi_dir, checkpoint, kube)
+    layer = await install_layer(options.vulkan_layer_dir)
+    state = DraState(inventory, options.node_name, options.cdi_dir, checkpoint, kube, layer=layer)
     restored = await state.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)

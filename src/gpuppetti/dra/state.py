@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,9 +27,11 @@ from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kube import ApiError, NotFound
 from gpuppetti.kubeobjects import ResourceClaim
 from gpuppetti.model import ContainerEdits, Health
+from gpuppetti.sharing.budgets import share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 from gpuppetti.syntax import DNS_LABEL, UID, is_dns_subdomain
+from gpuppetti.vulkanlayer import LayerDir, memories_of
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,19 @@ class _Plan:
     devices: list[PreparedDevice]
     spec: dict[str, Any]
     filename: str
+    # The Vulkan layer's directory of each request that gets one, with each GPU's budget.
+    allocations: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
-def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: str, kind: str) -> _Plan:
+def layer_allocation(uid: str, request: str) -> str:
+    return f"{LAYER_PREFIX}{uid}-{request}"
+
+
+LAYER_PREFIX = "dra-"
+
+
+def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: str, kind: str,
+               layer: LayerDir | None = None) -> _Plan:
     """Everything Prepare will do for ``claim``, computed before anything is written. Raises PrepareError."""
     driver = snapshot.config.dra.driver_name
     where = f"ResourceClaim {claim.namespace}/{claim.name}"
@@ -120,6 +132,7 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
 
     cdi_devices: list[tuple[str, ContainerEdits]] = []
     prepared: list[PreparedDevice] = []
+    allocations: list[tuple[str, list[int]]] = []
     for request, shares in by_request.items():
         try:
             config = opaque.config_for_request(allocation.devices.config, driver, request)
@@ -133,13 +146,20 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
         mps = config.sharing.mps or opaque.MpsConfig()
         settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
         cdi_name = f"claim-{claim.uid}-{request}"
-        cdi_devices.append((cdi_name, claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)))
+        edits = claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)
+        budgets = share_budgets(shares) if layer is not None and snapshot.config.sharing.enforce_memory else []
+        if budgets and layer is not None:
+            # Every container of the claim mounts the request's one directory: they share its budget.
+            allocation_id = layer_allocation(claim.uid, request)
+            edits.merge(layer.edits(allocation_id, budgets))
+            allocations.append((allocation_id, [budget.memory for budget in budgets]))
+        cdi_devices.append((cdi_name, edits))
         for position, share in enumerate(shares):
             # One CDI device per request carries the edits of all its GPUs, so a container that gets the
             # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
             ids = [cdi.qualified_name(kind, cdi_name)] if position == 0 else []
             prepared.append(PreparedDevice([request], node, share.device.name, ids, share.share_id))
-    return _Plan(prepared, cdi.build_spec(kind, cdi_devices), cdi.spec_filename(kind, claim.uid))
+    return _Plan(prepared, cdi.build_spec(kind, cdi_devices), cdi.spec_filename(kind, claim.uid), allocations)
 
 
 def _named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
@@ -170,9 +190,11 @@ class DraState:
 
     def __init__(
         self, inventory: Inventory, node: str, cdi_dir: Path, checkpoint: Checkpoint, claims: ClaimReader,
-        kind: str = cdi.DEFAULT_KIND,
+        kind: str = cdi.DEFAULT_KIND, layer: LayerDir | None = None,
     ) -> None:
         self._inventory = inventory
+        # Where slices are enforced: the Vulkan layer's directory (None: they are not).
+        self.layer = layer
         self.node = node
         self.cdi_dir = cdi_dir
         self.checkpoint = checkpoint
@@ -212,6 +234,8 @@ class DraState:
                 present.discard(record.cdi_file)
         # Left over from a claim unprepared (or never completed) when the driver stopped: nobody's.
         _remove_specs(self.cdi_dir, sorted(present))
+        if self.layer is not None:
+            self._restore_layer_dirs()
         failed = _write_specs(self.cdi_dir, wanted) if wanted else {}
         for uid, why in failed.items():
             if self.missing_specs.get(uid) != why:
@@ -220,6 +244,31 @@ class DraState:
             log.info("re-created the CDI spec of prepared claim %s", uid)
         self.missing_specs = failed
         return len(wanted) - len(failed)
+
+    def _remove_layer_dirs(self, uids: set[str]) -> None:
+        assert self.layer is not None
+        for allocation in self.layer.existing():
+            if allocation.startswith(LAYER_PREFIX) and allocation[len(LAYER_PREFIX):][:36] in uids:
+                self.layer.remove(allocation)
+
+    def _restore_layer_dirs(self) -> None:
+        """Each completed claim's layer directories there (kept as they are: running containers count in them),
+        and no other claim's."""
+        assert self.layer is not None
+        completed = {uid for uid, record in self.checkpoint.claims.items() if record.state == COMPLETED}
+        self._remove_layer_dirs({allocation[len(LAYER_PREFIX):][:36] for allocation in self.layer.existing()
+                                 if allocation.startswith(LAYER_PREFIX)} - completed)
+        for uid in completed:
+            record = self.checkpoint.claims[uid]
+            for device in (record.cdi_spec or {}).get("devices", []):
+                env = dict(item.split("=", 1) for item in device.get("containerEdits", {}).get("env", []))
+                request = str(device.get("name", "")).removeprefix(f"claim-{uid}-")
+                if "GPUPPETTI_VK_SLICES" in env and request:
+                    try:
+                        self.layer.create(layer_allocation(uid, request), memories_of(env["GPUPPETTI_VK_SLICES"]),
+                                          fresh=False)
+                    except (OSError, ValueError) as exc:
+                        log.error("cannot re-create the Vulkan layer's directory of prepared claim %s: %s", uid, exc)
 
     # -- prepare ----------------------------------------------------------------------------------------------
 
@@ -298,7 +347,7 @@ class DraState:
                                             f"{exc.strerror or exc}; nothing was prepared")
             return []
         specs = {uid: (plan.filename, plan.spec) for uid, (_, plan) in planned.items()}
-        failed = await asyncio.to_thread(_write_specs, self.cdi_dir, specs)
+        failed = await asyncio.to_thread(self._write, planned, specs)
         completed = dict(started)
         for uid, (claim, plan) in planned.items():
             if uid in failed:
@@ -325,6 +374,20 @@ class DraState:
                       ", ".join(d.device for d in plan.devices))
         return written
 
+    def _write(self, planned: Mapping[str, tuple[ClaimRef, _Plan]],
+               specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, str]:
+        """The claims' layer directories, then their CDI specs (which mount them); the errors by claim."""
+        failed: dict[str, str] = {}
+        for uid, (_, plan) in planned.items():
+            try:
+                for allocation_id, memories in plan.allocations:
+                    if self.layer is not None:
+                        self.layer.create(allocation_id, memories)
+            except OSError as exc:
+                failed[uid] = f"creating the Vulkan layer's directory in {self.layer} failed: {exc.strerror or exc}"
+        failed.update(_write_specs(self.cdi_dir, {uid: spec for uid, spec in specs.items() if uid not in failed}))
+        return failed
+
     async def _list(self, namespace: str) -> tuple[str, Mapping[str, ResourceClaim] | None]:
         try:
             return namespace, await self._claims.list_claims(namespace)
@@ -344,7 +407,7 @@ class DraState:
         except ApiError as exc:
             return PrepareError(str(exc))
         try:
-            return plan_claim(claim, obj, self._inventory.snapshot, self.node, self.kind)
+            return plan_claim(claim, obj, self._inventory.snapshot, self.node, self.kind, self.layer)
         except PrepareError as exc:
             return exc
 
@@ -378,6 +441,8 @@ class DraState:
             # After the checkpoint let them go; a spec the checkpoint never held goes too.
             await asyncio.to_thread(_remove_specs, self.cdi_dir,
                                     [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
+            if self.layer is not None:
+                await asyncio.to_thread(self._remove_layer_dirs, {claim.uid for claim in valid})
             for claim in valid:
                 self.missing_specs.pop(claim.uid, None)
                 answers[claim.uid] = ""

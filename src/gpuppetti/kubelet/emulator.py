@@ -22,6 +22,8 @@ import grpc
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from gpuppetti._proto.podresources.v1 import api_pb2 as podresources
+from gpuppetti._proto.podresources.v1 import api_pb2_grpc as podresources_grpc
 from gpuppetti.config import resource_name_problem
 from gpuppetti.kubelet.changes import Changes
 from gpuppetti.nodepaths import KUBELET_SOCKET
@@ -109,10 +111,33 @@ class _RegistrationRefused(Exception):
     pass
 
 
+class _PodResources(podresources_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResources List: the devices assigned to each container of the admitted pods."""
+
+    def __init__(self, kubelet: KubeletEmulator) -> None:
+        self._kubelet = kubelet
+
+    async def List(self, request: podresources.ListPodResourcesRequest,
+                   context: grpc.aio.ServicerContext) -> podresources.ListPodResourcesResponse:
+        pods: dict[str, dict[str, list[ContainerAllocation]]] = {}
+        for allocation in self._kubelet.allocations:
+            pods.setdefault(allocation.pod, {}).setdefault(allocation.container, []).append(allocation)
+        answer = podresources.ListPodResourcesResponse()
+        for pod, containers in pods.items():
+            entry = answer.pod_resources.add(name=pod, namespace="default")
+            for container, allocations in containers.items():
+                resources = entry.containers.add(name=container)
+                for allocation in allocations:
+                    resources.devices.add(resource_name=allocation.resource, device_ids=allocation.device_ids)
+        return answer
+
+
 class KubeletEmulator:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, pod_resources: Path | None = None) -> None:
         self.directory = directory
         self.socket = directory / KUBELET_SOCKET
+        # Where to serve the PodResources API, as the kubelet does beside its device plugin directory; None: not.
+        self.pod_resources = pod_resources
         self.endpoints: dict[str, PluginEndpoint] = {}
         self.allocations: list[ContainerAllocation] = []
         self.events: list[Event] = []
@@ -129,6 +154,12 @@ class KubeletEmulator:
         server = grpc.aio.server()
         pb_grpc.add_RegistrationServicer_to_server(_RegistrationService(self), server)
         server.add_insecure_port(f"unix:{self.socket}")
+        if self.pod_resources is not None:
+            self.pod_resources.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                self.pod_resources.unlink()
+            podresources_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), server)
+            server.add_insecure_port(f"unix:{self.pod_resources}")
         await server.start()
         self._server = server
         self._record("kubelet-started", "", str(self.socket))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -101,6 +102,8 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
             elif time_slicing.rename_by_default and replicas > 1:
                 name = f"{base}.shared"
         size = Size.part(gpu, replicas)
+        if chosen and chosen[0][1].slice_memory is not None and replicas > 1:
+            size = dataclasses.replace(size, memory=chosen[0][1].slice_memory)
         if replicas == 1:
             gpu_units = [Unit(id=gpu.id, gpu_id=gpu.id, resource=name, replicas=1, size=size)]
         else:
@@ -156,6 +159,12 @@ def plan_remarks(gpus: Sequence[Gpu], time_slicing: TimeSlicing) -> list[Remark]
             remarks.append(Remark(f"{where}.name", f"no GPU here is offered as {entry.name} (here: "
                                   f"{', '.join(offered)}); the entry applies to none on this node", False))
             continue
+        if entry.slice_memory is not None:
+            for gpu in matching:
+                replicas = entry.replicas_for(gpu.cores)
+                if gpu.memory_bytes is not None and entry.slice_memory * replicas > gpu.memory_bytes:
+                    remarks.append(Remark(f"{where}.sliceMemory", f"{replicas} slices of {entry.slice_memory} bytes "
+                                          f"promise more than GPU {gpu.id}'s {gpu.memory_bytes} bytes", True))
         if entry.replicas_per_cores is None:
             continue
         for gpu in matching:

@@ -1,0 +1,178 @@
+#define _GNU_SOURCE
+#include "accounting.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+static bool lock_byte(int fd, int slot, short type)
+{
+    struct flock lock;
+    memset(&lock, 0, sizeof lock);
+    lock.l_type = type;
+    lock.l_whence = SEEK_SET;
+    lock.l_start = ACCT_LOCK_BASE + slot;
+    lock.l_len = 1;
+    /* Open-file-description locks: per open(), released on the last close, so by the kernel when a process dies. */
+    return fcntl(fd, F_OFD_SETLK, &lock) == 0;
+}
+
+/* Give back what a dead process held in a slot; the exchange makes sure it is given back once. */
+static int64_t empty_slot(struct acct_file *file, int slot)
+{
+    int64_t bytes = atomic_exchange(&file->slot_bytes[slot], 0);
+    if (bytes != 0) {
+        atomic_fetch_sub(&file->total, bytes);
+    }
+    for (int heap = 0; heap < ACCT_HEAPS; heap++) {
+        int64_t part = atomic_exchange(&file->slot_heap[slot][heap], 0);
+        if (part != 0) {
+            atomic_fetch_sub(&file->heap_usage[heap], part);
+        }
+    }
+    return bytes;
+}
+
+static void claim_slot(struct acct *acct)
+{
+    acct->pid = (int)getpid();
+    for (int slot = 0; slot < ACCT_SLOTS; slot++) {
+        if (lock_byte(acct->fd, slot, F_WRLCK)) {
+            /* Free: whoever had it is gone, and what it held comes back now. */
+            empty_slot(acct->file, slot);
+            acct->slot = slot;
+            return;
+        }
+    }
+    /* Every slot is taken by a live process: count in the last one, shared with its owner. The total, which is what
+     * the budget is checked against, stays exact. */
+    acct->slot = ACCT_SLOTS - 1;
+}
+
+static bool usable(int fd)
+{
+    struct acct_file header;
+    if (pread(fd, &header, sizeof header.magic + sizeof header.version + sizeof header.slots, 0) !=
+        (ssize_t)(sizeof header.magic + sizeof header.version + sizeof header.slots)) {
+        return false;
+    }
+    off_t size = lseek(fd, 0, SEEK_END);
+    return memcmp(header.magic, ACCT_MAGIC, sizeof header.magic) == 0 && header.version == ACCT_VERSION &&
+           header.slots == ACCT_SLOTS && size >= (off_t)sizeof(struct acct_file);
+}
+
+void acct_open(struct acct *acct, const char *path, int64_t budget)
+{
+    memset(acct, 0, sizeof *acct);
+    acct->fd = -1;
+    if (path != NULL) {
+        int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        if (fd >= 0 && usable(fd)) {
+            void *map = mmap(NULL, sizeof(struct acct_file), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (map != MAP_FAILED) {
+                acct->file = map;
+                acct->fd = fd;
+                acct->shared = true;
+                claim_slot(acct);
+                return;
+            }
+        }
+        if (fd >= 0) {
+            close(fd);
+        }
+    }
+    /* No file to share: this process alone is held to the budget. */
+    void *map = mmap(NULL, sizeof(struct acct_file), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+        static struct acct_file fallback;
+        map = &fallback;
+    }
+    acct->file = map;
+    acct->file->budget = budget;
+    acct->slot = 0;
+    acct->pid = (int)getpid();
+}
+
+/* A forked child shares its parent's open file description, and with it the slot's lock: it takes its own. */
+static void own_slot(struct acct *acct)
+{
+    if (!acct->shared || acct->pid == (int)getpid()) {
+        return;
+    }
+    /* Opening the file again through /proc gives a description, and so locks, of this process's own. */
+    char path[64];
+    int written = snprintf(path, sizeof path, "/proc/self/fd/%d", acct->fd);
+    int fresh = written > 0 && written < (int)sizeof path ? open(path, O_RDWR | O_CLOEXEC) : -1;
+    if (fresh < 0) {
+        acct->pid = (int)getpid();
+        return; /* keep counting in the parent's slot: the total stays exact */
+    }
+    close(acct->fd);
+    acct->fd = fresh;
+    claim_slot(acct);
+}
+
+/* Give back the memory of every slot whose owner has died. Returns how many bytes came back. */
+static int64_t reap(struct acct *acct)
+{
+    int64_t freed = 0;
+    for (int slot = 0; slot < ACCT_SLOTS; slot++) {
+        if (slot == acct->slot || atomic_load(&acct->file->slot_bytes[slot]) == 0) {
+            continue;
+        }
+        if (lock_byte(acct->fd, slot, F_WRLCK)) {
+            freed += empty_slot(acct->file, slot);
+            lock_byte(acct->fd, slot, F_UNLCK);
+        }
+    }
+    return freed;
+}
+
+bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size)
+{
+    if (heap >= ACCT_HEAPS || size < 0) {
+        return false;
+    }
+    own_slot(acct);
+    struct acct_file *file = acct->file;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int64_t total = atomic_load(&file->total);
+        while (total <= budget - size) {
+            if (atomic_compare_exchange_weak(&file->total, &total, total + size)) {
+                atomic_fetch_add(&file->slot_bytes[acct->slot], size);
+                atomic_fetch_add(&file->slot_heap[acct->slot][heap], size);
+                atomic_fetch_add(&file->heap_usage[heap], size);
+                return true;
+            }
+        }
+        if (!acct->shared || reap(acct) == 0) {
+            break;
+        }
+    }
+    return false;
+}
+
+void acct_release(struct acct *acct, uint32_t heap, int64_t size)
+{
+    if (heap >= ACCT_HEAPS) {
+        return;
+    }
+    struct acct_file *file = acct->file;
+    atomic_fetch_sub(&file->heap_usage[heap], size);
+    atomic_fetch_sub(&file->slot_heap[acct->slot][heap], size);
+    atomic_fetch_sub(&file->slot_bytes[acct->slot], size);
+    atomic_fetch_sub(&file->total, size);
+}
+
+int64_t acct_total(const struct acct *acct)
+{
+    return atomic_load(&acct->file->total);
+}
+
+int64_t acct_heap_usage(const struct acct *acct, uint32_t heap)
+{
+    return heap < ACCT_HEAPS ? atomic_load(&acct->file->heap_usage[heap]) : 0;
+}

@@ -1,0 +1,55 @@
+/* The memory a slice has handed out, shared by every process of a container and by every container of one DRA
+ * claim: one file per slice, in a per-allocation directory the daemon creates and mounts read-write.
+ *
+ * The file is mapped shared and updated with atomics. A reservation is a compare-and-swap on the total that never
+ * lets it pass the budget. Each process also counts its own part in a slot it owns for as long as it lives: it holds
+ * an open-file-description lock on that slot's byte, which the kernel releases when the process dies, however it
+ * dies and whatever PID namespace it runs in. A process that finds the budget spent looks for slots whose lock is
+ * free and gives their memory back before it refuses.
+ *
+ * gpuppetti's daemons create the file (src/gpuppetti/vulkanlayer.py writes the same layout).
+ */
+#ifndef GPUPPETTI_ACCOUNTING_H
+#define GPUPPETTI_ACCOUNTING_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#define ACCT_MAGIC "GPPTVK01"
+#define ACCT_VERSION 1
+#define ACCT_SLOTS 256
+#define ACCT_HEAPS 16
+/* The lock bytes lie past the data, so that locking never touches what is mapped. */
+#define ACCT_LOCK_BASE 1048576
+#define ACCT_FILE_SIZE 36864
+
+struct acct_file {
+    char magic[8];
+    uint32_t version;
+    uint32_t slots;
+    int64_t budget;
+    _Atomic int64_t total;
+    _Atomic int64_t heap_usage[ACCT_HEAPS];
+    _Atomic int64_t slot_bytes[ACCT_SLOTS];
+    _Atomic int64_t slot_heap[ACCT_SLOTS][ACCT_HEAPS];
+};
+
+struct acct {
+    struct acct_file *file; /* the shared mapping; a private one where no file could be used */
+    int fd;                 /* -1 for a private mapping */
+    int slot;
+    int pid;                /* the process that claimed the slot: a forked child claims its own */
+    bool shared;
+};
+
+/* Open (or, with no usable file, make a private) accounting for one slice. Never fails: a slice whose file cannot be
+ * used still enforces its budget within the process. */
+void acct_open(struct acct *acct, const char *path, int64_t budget);
+/* Reserve size bytes of heap; false when the slice's budget would be passed. */
+bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size);
+void acct_release(struct acct *acct, uint32_t heap, int64_t size);
+int64_t acct_total(const struct acct *acct);
+int64_t acct_heap_usage(const struct acct *acct, uint32_t heap);
+
+#endif

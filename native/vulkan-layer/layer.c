@@ -1,0 +1,1017 @@
+/* VK_LAYER_GPUPPETTI_slice: a Vulkan implicit layer that makes a GPU slice look, and behave, like a GPU of the
+ * slice's size to the processes of one container.
+ *
+ * - Only the container's GPUs are enumerated (matched by PCI bus address or device UUID).
+ * - Every heap that counts is reported no larger than the budget; VK_EXT_memory_budget reports the budget (the
+ *   layer adds the extension where the driver lacks it); maxMemoryAllocationSize and maxBufferSize are no larger.
+ * - vkAllocateMemory reserves in the slice's shared accounting before it calls down, and returns
+ *   VK_ERROR_OUT_OF_DEVICE_MEMORY once the container's processes together would pass the budget.
+ *
+ * What counts: on a discrete GPU, the device-local heaps (VRAM, and a resizable-BAR heap beside it); on an
+ * integrated GPU, a CPU (lavapipe) or a virtual GPU (Venus), where every heap is the same memory, all of them.
+ * Imported memory (fd, dma-buf, host pointer) is someone else's and does not count.
+ *
+ * The layer never breaks an application: without its environment (slices.h) it passes every call through.
+ * Only vkNegotiateLoaderLayerInterfaceVersion is exported; everything else is reached through it.
+ */
+#define _GNU_SOURCE
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <vulkan/vk_layer.h>
+#include <vulkan/vulkan.h>
+
+#include "accounting.h"
+#include "slices.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define LAYER_NAME "VK_LAYER_GPUPPETTI_slice"
+#define MAX_INSTANCES 16
+#define MAX_DEVICES 64
+#define MAX_PHYSICAL 64
+
+/* -- a spinlock: the layer links nothing but libc, and holds each lock for a few loads and stores ------------ */
+
+typedef struct { atomic_flag flag; } spin_t;
+
+static void spin_lock(spin_t *lock)
+{
+    while (atomic_flag_test_and_set_explicit(&lock->flag, memory_order_acquire)) {
+    }
+}
+
+static void spin_unlock(spin_t *lock)
+{
+    atomic_flag_clear_explicit(&lock->flag, memory_order_release);
+}
+
+static void *dispatch_key(const void *handle)
+{
+    return *(void *const *)handle;
+}
+
+/* -- instances, their physical devices, and devices ------------------------------------------------------- */
+
+struct physical {
+    VkPhysicalDevice handle;
+    struct slice *slice; /* NULL: not the container's GPU */
+    VkPhysicalDeviceType type;
+    bool native_budget;  /* the driver has VK_EXT_memory_budget itself */
+};
+
+struct instance {
+    void *key;
+    VkInstance handle;
+    uint32_t api_version;
+    PFN_vkGetInstanceProcAddr gipa;
+    PFN_vkDestroyInstance DestroyInstance;
+    PFN_vkEnumeratePhysicalDevices EnumeratePhysicalDevices;
+    PFN_vkEnumeratePhysicalDeviceGroups EnumeratePhysicalDeviceGroups;
+    PFN_vkGetPhysicalDeviceProperties GetPhysicalDeviceProperties;
+    PFN_vkGetPhysicalDeviceProperties2 GetPhysicalDeviceProperties2;
+    PFN_vkGetPhysicalDeviceMemoryProperties GetPhysicalDeviceMemoryProperties;
+    PFN_vkGetPhysicalDeviceMemoryProperties2 GetPhysicalDeviceMemoryProperties2;
+    PFN_vkEnumerateDeviceExtensionProperties EnumerateDeviceExtensionProperties;
+    bool learned; /* the physical devices are known: without that, nothing is hidden */
+    int physical_count;
+    struct physical physicals[MAX_PHYSICAL];
+};
+
+struct device {
+    void *key;
+    PFN_vkGetDeviceProcAddr gdpa;
+    PFN_vkDestroyDevice DestroyDevice;
+    PFN_vkAllocateMemory AllocateMemory;
+    PFN_vkFreeMemory FreeMemory;
+    struct slice *slice;             /* NULL or budget 0: nothing to count */
+    uint32_t counted_heaps;          /* bit per heap whose allocations count */
+    uint32_t type_heap[VK_MAX_MEMORY_TYPES];
+};
+
+static spin_t registry_lock;
+static struct instance *instances[MAX_INSTANCES];
+static struct device *devices[MAX_DEVICES];
+
+static struct instance *instance_of(const void *handle)
+{
+    void *key = dispatch_key(handle);
+    struct instance *found = NULL;
+    spin_lock(&registry_lock);
+    for (int i = 0; i < MAX_INSTANCES; i++) {
+        if (instances[i] != NULL && instances[i]->key == key) {
+            found = instances[i];
+            break;
+        }
+    }
+    spin_unlock(&registry_lock);
+    return found;
+}
+
+static struct device *device_of(const void *handle)
+{
+    void *key = dispatch_key(handle);
+    struct device *found = NULL;
+    spin_lock(&registry_lock);
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        if (devices[i] != NULL && devices[i]->key == key) {
+            found = devices[i];
+            break;
+        }
+    }
+    spin_unlock(&registry_lock);
+    return found;
+}
+
+static bool remember(void **table, int size, void *entry)
+{
+    bool stored = false;
+    spin_lock(&registry_lock);
+    for (int i = 0; i < size; i++) {
+        if (table[i] == NULL) {
+            table[i] = entry;
+            stored = true;
+            break;
+        }
+    }
+    spin_unlock(&registry_lock);
+    return stored;
+}
+
+static void forget(void **table, int size, void *entry)
+{
+    spin_lock(&registry_lock);
+    for (int i = 0; i < size; i++) {
+        if (table[i] == entry) {
+            table[i] = NULL;
+        }
+    }
+    spin_unlock(&registry_lock);
+}
+
+/* -- allocations: each counted VkDeviceMemory, with its size and heap, until it is freed -------------------- */
+
+#define BUCKETS 4096
+
+struct allocation {
+    struct allocation *next;
+    uint64_t memory;
+    struct device *device;
+    int64_t size;
+    uint32_t heap;
+};
+
+static spin_t bucket_locks[BUCKETS];
+static struct allocation *buckets[BUCKETS];
+
+static uint32_t bucket_of(uint64_t memory)
+{
+    memory ^= memory >> 33;
+    memory *= 0xff51afd7ed558ccdULL;
+    memory ^= memory >> 33;
+    return (uint32_t)(memory % BUCKETS);
+}
+
+static bool track(struct device *device, uint64_t memory, int64_t size, uint32_t heap)
+{
+    struct allocation *entry = malloc(sizeof *entry);
+    if (entry == NULL) {
+        return false;
+    }
+    entry->memory = memory;
+    entry->device = device;
+    entry->size = size;
+    entry->heap = heap;
+    uint32_t bucket = bucket_of(memory);
+    spin_lock(&bucket_locks[bucket]);
+    entry->next = buckets[bucket];
+    buckets[bucket] = entry;
+    spin_unlock(&bucket_locks[bucket]);
+    return true;
+}
+
+static struct allocation *untrack(struct device *device, uint64_t memory)
+{
+    uint32_t bucket = bucket_of(memory);
+    struct allocation *found = NULL;
+    spin_lock(&bucket_locks[bucket]);
+    for (struct allocation **link = &buckets[bucket]; *link != NULL; link = &(*link)->next) {
+        if ((*link)->memory == memory && (*link)->device == device) {
+            found = *link;
+            *link = found->next;
+            break;
+        }
+    }
+    spin_unlock(&bucket_locks[bucket]);
+    return found;
+}
+
+/* What a device that is destroyed without freeing its memory still held. */
+static void untrack_device(struct device *device)
+{
+    for (uint32_t bucket = 0; bucket < BUCKETS; bucket++) {
+        spin_lock(&bucket_locks[bucket]);
+        struct allocation **link = &buckets[bucket];
+        while (*link != NULL) {
+            struct allocation *entry = *link;
+            if (entry->device == device) {
+                *link = entry->next;
+                acct_release(&device->slice->acct, entry->heap, entry->size);
+                free(entry);
+            } else {
+                link = &entry->next;
+            }
+        }
+        spin_unlock(&bucket_locks[bucket]);
+    }
+}
+
+/* -- which GPU is whose ----------------------------------------------------------------------------------- */
+
+static bool has_extension(struct instance *instance, VkPhysicalDevice physical, const char *name)
+{
+    uint32_t count = 0;
+    if (instance->EnumerateDeviceExtensionProperties(physical, NULL, &count, NULL) != VK_SUCCESS || count == 0) {
+        return false;
+    }
+    VkExtensionProperties *properties = calloc(count, sizeof *properties);
+    if (properties == NULL) {
+        return false;
+    }
+    bool found = false;
+    if (instance->EnumerateDeviceExtensionProperties(physical, NULL, &count, properties) >= VK_SUCCESS) {
+        for (uint32_t i = 0; i < count && !found; i++) {
+            found = strcmp(properties[i].extensionName, name) == 0;
+        }
+    }
+    free(properties);
+    return found;
+}
+
+/* The slice a physical device belongs to, matched by its PCI bus address or its UUID; NULL when it is not one of
+ * the container's GPUs. A slice that selects "any" takes whatever device there is (a simulated GPU). */
+static struct slice *match(struct instance *instance, VkPhysicalDevice physical, VkPhysicalDeviceType *type)
+{
+    const struct slices *slices = slices_get();
+    VkPhysicalDeviceProperties basic;
+    instance->GetPhysicalDeviceProperties(physical, &basic);
+    *type = basic.deviceType;
+    bool pci_known = false, uuid_known = false;
+    VkPhysicalDevicePCIBusInfoPropertiesEXT pci = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT};
+    VkPhysicalDeviceIDProperties id = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_ID_PROPERTIES};
+    if (instance->GetPhysicalDeviceProperties2 != NULL) {
+        VkPhysicalDeviceProperties2 properties = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &id};
+        if (has_extension(instance, physical, VK_EXT_PCI_BUS_INFO_EXTENSION_NAME)) {
+            id.pNext = &pci;
+            pci_known = true;
+        }
+        instance->GetPhysicalDeviceProperties2(physical, &properties);
+        uuid_known = true;
+    }
+    for (int i = 0; i < slices->count; i++) {
+        struct slice *slice = (struct slice *)&slices->items[i];
+        switch (slice->kind) {
+        case SELECT_ANY:
+            return slice;
+        case SELECT_PCI:
+            if (pci_known && pci.pciDomain == slice->pci_domain && pci.pciBus == slice->pci_bus &&
+                pci.pciDevice == slice->pci_device && pci.pciFunction == slice->pci_function) {
+                return slice;
+            }
+            break;
+        case SELECT_UUID:
+            if (uuid_known && memcmp(id.deviceUUID, slice->uuid, VK_UUID_SIZE) == 0) {
+                return slice;
+            }
+            break;
+        }
+    }
+    return NULL;
+}
+
+static struct physical *physical_of(struct instance *instance, VkPhysicalDevice handle)
+{
+    for (int i = 0; i < instance->physical_count; i++) {
+        if (instance->physicals[i].handle == handle) {
+            return &instance->physicals[i];
+        }
+    }
+    return NULL;
+}
+
+/* Whether the driver itself reports memory budgets. Its extension list cannot tell: under an implicit layer the
+ * loader adds the extensions of the layer's manifest (this one's VK_EXT_memory_budget) to it. So ask: a driver
+ * with the extension fills the structure in. */
+static bool driver_has_budget(struct instance *instance, VkPhysicalDevice physical)
+{
+    if (instance->GetPhysicalDeviceMemoryProperties2 == NULL ||
+        !has_extension(instance, physical, VK_EXT_MEMORY_BUDGET_EXTENSION_NAME)) {
+        return false;
+    }
+    VkPhysicalDeviceMemoryBudgetPropertiesEXT budget = {
+        .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT};
+    VkPhysicalDeviceMemoryProperties2 memory = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
+                                                .pNext = &budget};
+    instance->GetPhysicalDeviceMemoryProperties2(physical, &memory);
+    for (uint32_t heap = 0; heap < memory.memoryProperties.memoryHeapCount; heap++) {
+        if (budget.heapBudget[heap] != 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Learn the driver's physical devices and whose they are. Called once per instance, before any filtering. */
+static VkResult learn_physicals(struct instance *instance)
+{
+    uint32_t count = 0;
+    VkResult result = instance->EnumeratePhysicalDevices(instance->handle, &count, NULL);
+    if (result != VK_SUCCESS) {
+        return result;
+    }
+    if (count > MAX_PHYSICAL) {
+        count = MAX_PHYSICAL;
+    }
+    VkPhysicalDevice handles[MAX_PHYSICAL];
+    result = instance->EnumeratePhysicalDevices(instance->handle, &count, handles);
+    if (result < VK_SUCCESS) {
+        return result;
+    }
+    for (uint32_t i = 0; i < count; i++) {
+        struct physical *physical = &instance->physicals[i];
+        physical->handle = handles[i];
+        physical->slice = match(instance, handles[i], &physical->type);
+        physical->native_budget = driver_has_budget(instance, handles[i]);
+    }
+    instance->physical_count = (int)count;
+    instance->learned = true;
+    return VK_SUCCESS;
+}
+
+/* A physical device the container may see: every one where the layer is not active. */
+static bool visible(struct instance *instance, VkPhysicalDevice handle)
+{
+    if (!slices_get()->active || !instance->learned) {
+        return true;
+    }
+    struct physical *physical = physical_of(instance, handle);
+    return physical == NULL || physical->slice != NULL;
+}
+
+static int64_t budget_of(const struct physical *physical)
+{
+    return physical != NULL && physical->slice != NULL ? physical->slice->budget : 0;
+}
+
+/* Heaps that are the GPU's memory: all of them where the GPU shares the host's (integrated, CPU, virtual), the
+ * device-local ones on a discrete GPU. */
+static uint32_t counted_heaps(VkPhysicalDeviceType type, const VkPhysicalDeviceMemoryProperties *memory)
+{
+    uint32_t mask = 0;
+    for (uint32_t heap = 0; heap < memory->memoryHeapCount && heap < ACCT_HEAPS; heap++) {
+        bool local = (memory->memoryHeaps[heap].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0;
+        if (local || type != VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU) {
+            mask |= 1u << heap;
+        }
+    }
+    return mask;
+}
+
+/* -- the instance: creation, physical devices, their properties -------------------------------------------- */
+
+static VkLayerInstanceCreateInfo *instance_link(const VkInstanceCreateInfo *info)
+{
+    for (const VkBaseInStructure *next = info->pNext; next != NULL; next = next->pNext) {
+        if (next->sType == VK_STRUCTURE_TYPE_LOADER_INSTANCE_CREATE_INFO &&
+            ((const VkLayerInstanceCreateInfo *)next)->function == VK_LAYER_LINK_INFO) {
+            return (VkLayerInstanceCreateInfo *)next;
+        }
+    }
+    return NULL;
+}
+
+static VkLayerDeviceCreateInfo *device_link(const VkDeviceCreateInfo *info)
+{
+    for (const VkBaseInStructure *next = info->pNext; next != NULL; next = next->pNext) {
+        if (next->sType == VK_STRUCTURE_TYPE_LOADER_DEVICE_CREATE_INFO &&
+            ((const VkLayerDeviceCreateInfo *)next)->function == VK_LAYER_LINK_INFO) {
+            return (VkLayerDeviceCreateInfo *)next;
+        }
+    }
+    return NULL;
+}
+
+static PFN_vkVoidFunction either(PFN_vkGetInstanceProcAddr gipa, VkInstance instance, const char *core,
+                                 const char *khr)
+{
+    PFN_vkVoidFunction function = gipa(instance, core);
+    return function != NULL ? function : gipa(instance, khr);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateInstance(const VkInstanceCreateInfo *info,
+                                                           const VkAllocationCallbacks *allocator,
+                                                           VkInstance *out)
+{
+    VkLayerInstanceCreateInfo *link = instance_link(info);
+    if (link == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    PFN_vkGetInstanceProcAddr gipa = link->u.pLayerInfo->pfnNextGetInstanceProcAddr;
+    PFN_vkCreateInstance create = (PFN_vkCreateInstance)gipa(VK_NULL_HANDLE, "vkCreateInstance");
+    if (create == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    link->u.pLayerInfo = link->u.pLayerInfo->pNext;
+    VkResult result = create(info, allocator, out);
+    if (result != VK_SUCCESS) {
+        return result;
+    }
+    struct instance *instance = calloc(1, sizeof *instance);
+    if (instance == NULL) {
+        return VK_SUCCESS; /* nothing to enforce with, but the application runs */
+    }
+    instance->key = dispatch_key(*out);
+    instance->handle = *out;
+    instance->api_version = info->pApplicationInfo != NULL ? info->pApplicationInfo->apiVersion : VK_API_VERSION_1_0;
+    instance->gipa = gipa;
+#define NEXT(name) (PFN_vk##name) gipa(*out, "vk" #name)
+    instance->DestroyInstance = NEXT(DestroyInstance);
+    instance->EnumeratePhysicalDevices = NEXT(EnumeratePhysicalDevices);
+    instance->GetPhysicalDeviceProperties = NEXT(GetPhysicalDeviceProperties);
+    instance->GetPhysicalDeviceMemoryProperties = NEXT(GetPhysicalDeviceMemoryProperties);
+    instance->EnumerateDeviceExtensionProperties = NEXT(EnumerateDeviceExtensionProperties);
+#undef NEXT
+    instance->EnumeratePhysicalDeviceGroups = (PFN_vkEnumeratePhysicalDeviceGroups)either(
+        gipa, *out, "vkEnumeratePhysicalDeviceGroups", "vkEnumeratePhysicalDeviceGroupsKHR");
+    instance->GetPhysicalDeviceProperties2 = (PFN_vkGetPhysicalDeviceProperties2)either(
+        gipa, *out, "vkGetPhysicalDeviceProperties2", "vkGetPhysicalDeviceProperties2KHR");
+    instance->GetPhysicalDeviceMemoryProperties2 = (PFN_vkGetPhysicalDeviceMemoryProperties2)either(
+        gipa, *out, "vkGetPhysicalDeviceMemoryProperties2", "vkGetPhysicalDeviceMemoryProperties2KHR");
+    if (slices_get()->active) {
+        learn_physicals(instance);
+    }
+    if (!remember((void **)instances, MAX_INSTANCES, instance)) {
+        free(instance);
+    }
+    return VK_SUCCESS;
+}
+
+static VKAPI_ATTR void VKAPI_CALL layer_DestroyInstance(VkInstance handle, const VkAllocationCallbacks *allocator)
+{
+    if (handle == VK_NULL_HANDLE) {
+        return;
+    }
+    struct instance *instance = instance_of(handle);
+    if (instance == NULL) {
+        return;
+    }
+    PFN_vkDestroyInstance destroy = instance->DestroyInstance;
+    forget((void **)instances, MAX_INSTANCES, instance);
+    free(instance);
+    destroy(handle, allocator);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_EnumeratePhysicalDevices(VkInstance handle, uint32_t *count,
+                                                                     VkPhysicalDevice *out)
+{
+    struct instance *instance = instance_of(handle);
+    if (instance == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    if (!slices_get()->active || !instance->learned) {
+        return instance->EnumeratePhysicalDevices(handle, count, out);
+    }
+    uint32_t kept = 0;
+    VkResult result = VK_SUCCESS;
+    for (int i = 0; i < instance->physical_count; i++) {
+        if (instance->physicals[i].slice == NULL) {
+            continue;
+        }
+        if (out != NULL) {
+            if (kept >= *count) {
+                result = VK_INCOMPLETE;
+                break;
+            }
+            out[kept] = instance->physicals[i].handle;
+        }
+        kept++;
+    }
+    *count = kept;
+    return result;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_EnumeratePhysicalDeviceGroups(VkInstance handle, uint32_t *count,
+                                                                          VkPhysicalDeviceGroupProperties *out)
+{
+    struct instance *instance = instance_of(handle);
+    if (instance == NULL || instance->EnumeratePhysicalDeviceGroups == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    if (!slices_get()->active) {
+        return instance->EnumeratePhysicalDeviceGroups(handle, count, out);
+    }
+    uint32_t total = 0;
+    VkResult result = instance->EnumeratePhysicalDeviceGroups(handle, &total, NULL);
+    if (result != VK_SUCCESS) {
+        return result;
+    }
+    VkPhysicalDeviceGroupProperties *groups = calloc(total ? total : 1, sizeof *groups);
+    if (groups == NULL) {
+        return VK_ERROR_OUT_OF_HOST_MEMORY;
+    }
+    for (uint32_t i = 0; i < total; i++) {
+        groups[i].sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_GROUP_PROPERTIES;
+    }
+    result = instance->EnumeratePhysicalDeviceGroups(handle, &total, groups);
+    uint32_t kept = 0;
+    if (result >= VK_SUCCESS) {
+        result = VK_SUCCESS;
+        for (uint32_t i = 0; i < total; i++) {
+            VkPhysicalDeviceGroupProperties group = groups[i];
+            uint32_t members = 0;
+            for (uint32_t j = 0; j < group.physicalDeviceCount; j++) {
+                if (visible(instance, group.physicalDevices[j])) {
+                    group.physicalDevices[members++] = group.physicalDevices[j];
+                }
+            }
+            if (members == 0) {
+                continue;
+            }
+            group.physicalDeviceCount = members;
+            if (out != NULL) {
+                if (kept >= *count) {
+                    result = VK_INCOMPLETE;
+                    break;
+                }
+                group.sType = out[kept].sType;
+                group.pNext = out[kept].pNext;
+                out[kept] = group;
+            }
+            kept++;
+        }
+    }
+    free(groups);
+    *count = kept;
+    return result;
+}
+
+/* Every counted heap no larger than the budget; on shared memory (several counted heaps of one memory), their
+ * sizes shared out so that together they are no larger than the budget either. */
+static void clamp_heaps(const struct physical *physical, VkPhysicalDeviceMemoryProperties *memory)
+{
+    if (physical == NULL) {
+        return;
+    }
+    int64_t budget = budget_of(physical);
+    if (budget <= 0) {
+        return;
+    }
+    uint32_t counted = counted_heaps(physical->type, memory);
+    uint64_t sum = 0;
+    for (uint32_t heap = 0; heap < memory->memoryHeapCount; heap++) {
+        if (counted & (1u << heap)) {
+            sum += memory->memoryHeaps[heap].size;
+        }
+    }
+    bool shared = physical->type != VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU && sum > (uint64_t)budget;
+    for (uint32_t heap = 0; heap < memory->memoryHeapCount; heap++) {
+        if (!(counted & (1u << heap))) {
+            continue;
+        }
+        VkDeviceSize size = memory->memoryHeaps[heap].size;
+        if (shared) {
+            size = (VkDeviceSize)((__uint128_t)size * (uint64_t)budget / sum);
+        }
+        if (size > (VkDeviceSize)budget) {
+            size = (VkDeviceSize)budget;
+        }
+        memory->memoryHeaps[heap].size = size;
+    }
+}
+
+static VKAPI_ATTR void VKAPI_CALL layer_GetPhysicalDeviceMemoryProperties(VkPhysicalDevice handle,
+                                                                          VkPhysicalDeviceMemoryProperties *out)
+{
+    struct instance *instance = instance_of(handle);
+    instance->GetPhysicalDeviceMemoryProperties(handle, out);
+    if (slices_get()->active) {
+        clamp_heaps(physical_of(instance, handle), out);
+    }
+}
+
+static void fill_budget(const struct physical *physical, const VkPhysicalDeviceMemoryProperties *memory,
+                        VkPhysicalDeviceMemoryBudgetPropertiesEXT *budget_out, bool emulated)
+{
+    int64_t budget = budget_of(physical);
+    if (emulated) {
+        /* The driver left it alone: as a driver that knows nothing more would say. */
+        for (uint32_t heap = 0; heap < VK_MAX_MEMORY_HEAPS; heap++) {
+            budget_out->heapBudget[heap] = heap < memory->memoryHeapCount ? memory->memoryHeaps[heap].size : 0;
+            budget_out->heapUsage[heap] = 0;
+        }
+    }
+    if (budget <= 0) {
+        return;
+    }
+    uint32_t counted = counted_heaps(physical->type, memory);
+    const struct acct *acct = &physical->slice->acct;
+    int64_t left = budget - acct_total(acct);
+    if (left < 0) {
+        left = 0;
+    }
+    for (uint32_t heap = 0; heap < memory->memoryHeapCount; heap++) {
+        if (!(counted & (1u << heap))) {
+            continue;
+        }
+        int64_t used = acct_heap_usage(acct, heap);
+        if (used < 0) {
+            used = 0;
+        }
+        VkDeviceSize allowed = (VkDeviceSize)(used + left);
+        if (allowed > memory->memoryHeaps[heap].size) {
+            allowed = memory->memoryHeaps[heap].size;
+        }
+        if (!emulated && budget_out->heapBudget[heap] < allowed) {
+            allowed = budget_out->heapBudget[heap];
+        }
+        budget_out->heapBudget[heap] = allowed;
+        budget_out->heapUsage[heap] = (VkDeviceSize)used;
+    }
+}
+
+static VKAPI_ATTR void VKAPI_CALL layer_GetPhysicalDeviceMemoryProperties2(VkPhysicalDevice handle,
+                                                                           VkPhysicalDeviceMemoryProperties2 *out)
+{
+    struct instance *instance = instance_of(handle);
+    if (!slices_get()->active) {
+        instance->GetPhysicalDeviceMemoryProperties2(handle, out);
+        return;
+    }
+    struct physical *physical = physical_of(instance, handle);
+    VkPhysicalDeviceMemoryBudgetPropertiesEXT *budget = NULL;
+    for (VkBaseOutStructure *next = out->pNext; next != NULL; next = next->pNext) {
+        if (next->sType == VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT) {
+            budget = (VkPhysicalDeviceMemoryBudgetPropertiesEXT *)next;
+        }
+    }
+    bool emulated = budget != NULL && (physical == NULL || !physical->native_budget);
+    if (emulated) {
+        /* The driver does not know the structure: take it out of the chain while it answers. */
+        VkBaseOutStructure *previous = (VkBaseOutStructure *)out;
+        while (previous->pNext != (VkBaseOutStructure *)budget) {
+            previous = previous->pNext;
+        }
+        previous->pNext = budget->pNext;
+        instance->GetPhysicalDeviceMemoryProperties2(handle, out);
+        previous->pNext = (VkBaseOutStructure *)budget;
+    } else {
+        instance->GetPhysicalDeviceMemoryProperties2(handle, out);
+    }
+    clamp_heaps(physical, &out->memoryProperties);
+    if (budget != NULL && physical != NULL) {
+        fill_budget(physical, &out->memoryProperties, budget, emulated);
+    }
+}
+
+static VKAPI_ATTR void VKAPI_CALL layer_GetPhysicalDeviceProperties2(VkPhysicalDevice handle,
+                                                                     VkPhysicalDeviceProperties2 *out)
+{
+    struct instance *instance = instance_of(handle);
+    instance->GetPhysicalDeviceProperties2(handle, out);
+    if (!slices_get()->active) {
+        return;
+    }
+    int64_t budget = budget_of(physical_of(instance, handle));
+    if (budget <= 0) {
+        return;
+    }
+    VkDeviceSize limit = (VkDeviceSize)budget;
+    for (VkBaseOutStructure *next = out->pNext; next != NULL; next = next->pNext) {
+        switch ((int)next->sType) {
+        case VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES: {
+            VkPhysicalDeviceMaintenance3Properties *p = (VkPhysicalDeviceMaintenance3Properties *)next;
+            if (p->maxMemoryAllocationSize > limit) p->maxMemoryAllocationSize = limit;
+            break;
+        }
+        case VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_PROPERTIES: {
+            VkPhysicalDeviceVulkan11Properties *p = (VkPhysicalDeviceVulkan11Properties *)next;
+            if (p->maxMemoryAllocationSize > limit) p->maxMemoryAllocationSize = limit;
+            break;
+        }
+        case VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES: {
+            VkPhysicalDeviceMaintenance4Properties *p = (VkPhysicalDeviceMaintenance4Properties *)next;
+            if (p->maxBufferSize > limit) p->maxBufferSize = limit;
+            break;
+        }
+        case VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_PROPERTIES: {
+            VkPhysicalDeviceVulkan13Properties *p = (VkPhysicalDeviceVulkan13Properties *)next;
+            if (p->maxBufferSize > limit) p->maxBufferSize = limit;
+            break;
+        }
+        default:
+            break;
+        }
+    }
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_EnumerateDeviceExtensionProperties(VkPhysicalDevice handle,
+                                                                               const char *layer,
+                                                                               uint32_t *count,
+                                                                               VkExtensionProperties *out)
+{
+    static const VkExtensionProperties budget_extension = {VK_EXT_MEMORY_BUDGET_EXTENSION_NAME,
+                                                           VK_EXT_MEMORY_BUDGET_SPEC_VERSION};
+    if (layer != NULL && strcmp(layer, LAYER_NAME) == 0) {
+        /* The layer's own extensions, as its manifest lists them. */
+        if (out == NULL) {
+            *count = 1;
+            return VK_SUCCESS;
+        }
+        if (*count < 1) {
+            return VK_INCOMPLETE;
+        }
+        out[0] = budget_extension;
+        *count = 1;
+        return VK_SUCCESS;
+    }
+    struct instance *instance = instance_of(handle);
+    struct physical *physical = slices_get()->active ? physical_of(instance, handle) : NULL;
+    bool add = layer == NULL && physical != NULL && physical->slice != NULL && !physical->native_budget;
+    if (!add) {
+        return instance->EnumerateDeviceExtensionProperties(handle, layer, count, out);
+    }
+    uint32_t driver = 0;
+    VkResult result = instance->EnumerateDeviceExtensionProperties(handle, NULL, &driver, NULL);
+    if (result != VK_SUCCESS) {
+        return result;
+    }
+    if (out == NULL) {
+        *count = driver + 1;
+        return VK_SUCCESS;
+    }
+    uint32_t room = *count;
+    uint32_t written = room < driver ? room : driver;
+    result = instance->EnumerateDeviceExtensionProperties(handle, NULL, &written, out);
+    if (result < VK_SUCCESS) {
+        return result;
+    }
+    if (written < room) {
+        out[written++] = budget_extension;
+        *count = written;
+        return written < driver + 1 ? VK_INCOMPLETE : VK_SUCCESS;
+    }
+    *count = written;
+    return VK_INCOMPLETE;
+}
+
+/* -- the device: creation, and the two calls that move memory --------------------------------------------- */
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physical_handle,
+                                                         const VkDeviceCreateInfo *info,
+                                                         const VkAllocationCallbacks *allocator, VkDevice *out)
+{
+    VkLayerDeviceCreateInfo *link = device_link(info);
+    struct instance *instance = instance_of(physical_handle);
+    if (link == NULL || instance == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    PFN_vkGetInstanceProcAddr gipa = link->u.pLayerInfo->pfnNextGetInstanceProcAddr;
+    PFN_vkGetDeviceProcAddr gdpa = link->u.pLayerInfo->pfnNextGetDeviceProcAddr;
+    PFN_vkCreateDevice create = (PFN_vkCreateDevice)gipa(instance->handle, "vkCreateDevice");
+    if (create == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    link->u.pLayerInfo = link->u.pLayerInfo->pNext;
+
+    struct physical *physical = slices_get()->active ? physical_of(instance, physical_handle) : NULL;
+    /* VK_EXT_memory_budget where the layer provides it: the driver must not be asked for it. */
+    VkDeviceCreateInfo copy = *info;
+    const char **names = NULL;
+    if (physical != NULL && !physical->native_budget && info->enabledExtensionCount > 0) {
+        names = calloc(info->enabledExtensionCount, sizeof *names);
+        if (names == NULL) {
+            return VK_ERROR_OUT_OF_HOST_MEMORY;
+        }
+        uint32_t kept = 0;
+        for (uint32_t i = 0; i < info->enabledExtensionCount; i++) {
+            if (strcmp(info->ppEnabledExtensionNames[i], VK_EXT_MEMORY_BUDGET_EXTENSION_NAME) != 0) {
+                names[kept++] = info->ppEnabledExtensionNames[i];
+            }
+        }
+        copy.enabledExtensionCount = kept;
+        copy.ppEnabledExtensionNames = names;
+    }
+    VkResult result = create(physical_handle, &copy, allocator, out);
+    free(names);
+    if (result != VK_SUCCESS) {
+        return result;
+    }
+    struct device *device = calloc(1, sizeof *device);
+    if (device == NULL) {
+        return VK_SUCCESS;
+    }
+    device->key = dispatch_key(*out);
+    device->gdpa = gdpa;
+    device->DestroyDevice = (PFN_vkDestroyDevice)gdpa(*out, "vkDestroyDevice");
+    device->AllocateMemory = (PFN_vkAllocateMemory)gdpa(*out, "vkAllocateMemory");
+    device->FreeMemory = (PFN_vkFreeMemory)gdpa(*out, "vkFreeMemory");
+    if (physical != NULL && physical->slice != NULL && physical->slice->budget > 0) {
+        VkPhysicalDeviceMemoryProperties memory;
+        instance->GetPhysicalDeviceMemoryProperties(physical_handle, &memory);
+        device->slice = physical->slice;
+        device->counted_heaps = counted_heaps(physical->type, &memory);
+        for (uint32_t type = 0; type < memory.memoryTypeCount; type++) {
+            device->type_heap[type] = memory.memoryTypes[type].heapIndex;
+        }
+    }
+    if (!remember((void **)devices, MAX_DEVICES, device)) {
+        free(device);
+    }
+    return VK_SUCCESS;
+}
+
+static VKAPI_ATTR void VKAPI_CALL layer_DestroyDevice(VkDevice handle, const VkAllocationCallbacks *allocator)
+{
+    if (handle == VK_NULL_HANDLE) {
+        return;
+    }
+    struct device *device = device_of(handle);
+    if (device == NULL) {
+        return;
+    }
+    PFN_vkDestroyDevice destroy = device->DestroyDevice;
+    forget((void **)devices, MAX_DEVICES, device);
+    if (device->slice != NULL) {
+        untrack_device(device);
+    }
+    free(device);
+    destroy(handle, allocator);
+}
+
+/* Memory someone else allocated, brought in: it is not this container's to count. */
+static bool imported(const VkMemoryAllocateInfo *info)
+{
+    for (const VkBaseInStructure *next = info->pNext; next != NULL; next = next->pNext) {
+        switch ((int)next->sType) {
+        case VK_STRUCTURE_TYPE_IMPORT_MEMORY_FD_INFO_KHR: {
+            /* A handle type of 0 imports nothing. */
+            const VkImportMemoryFdInfoKHR *fd = (const VkImportMemoryFdInfoKHR *)next;
+            if (fd->handleType != 0) return true;
+            break;
+        }
+        case VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT: {
+            const VkImportMemoryHostPointerInfoEXT *host = (const VkImportMemoryHostPointerInfoEXT *)next;
+            if (host->handleType != 0) return true;
+            break;
+        }
+        case VK_STRUCTURE_TYPE_IMPORT_ANDROID_HARDWARE_BUFFER_INFO_ANDROID:
+        case VK_STRUCTURE_TYPE_IMPORT_MEMORY_ZIRCON_HANDLE_INFO_FUCHSIA:
+        case VK_STRUCTURE_TYPE_IMPORT_METAL_BUFFER_INFO_EXT:
+            return true;
+        default:
+            break;
+        }
+    }
+    return false;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_AllocateMemory(VkDevice handle, const VkMemoryAllocateInfo *info,
+                                                           const VkAllocationCallbacks *allocator,
+                                                           VkDeviceMemory *out)
+{
+    struct device *device = device_of(handle);
+    if (device == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    if (device->slice == NULL || info == NULL || info->memoryTypeIndex >= VK_MAX_MEMORY_TYPES) {
+        return device->AllocateMemory(handle, info, allocator, out);
+    }
+    uint32_t heap = device->type_heap[info->memoryTypeIndex];
+    if (!(device->counted_heaps & (1u << heap)) || imported(info)) {
+        return device->AllocateMemory(handle, info, allocator, out);
+    }
+    int64_t size = info->allocationSize > (VkDeviceSize)INT64_MAX ? INT64_MAX : (int64_t)info->allocationSize;
+    /* Reserve first, so that threads and processes racing for the last bytes cannot both have them. */
+    if (!acct_reserve(&device->slice->acct, device->slice->budget, heap, size)) {
+        return VK_ERROR_OUT_OF_DEVICE_MEMORY;
+    }
+    VkResult result = device->AllocateMemory(handle, info, allocator, out);
+    if (result != VK_SUCCESS) {
+        acct_release(&device->slice->acct, heap, size);
+        return result;
+    }
+    if (!track(device, (uint64_t)(uintptr_t)*out, size, heap)) {
+        /* Without a record the free could not give it back: undo, as an allocation that failed. */
+        device->FreeMemory(handle, *out, allocator);
+        acct_release(&device->slice->acct, heap, size);
+        *out = VK_NULL_HANDLE;
+        return VK_ERROR_OUT_OF_HOST_MEMORY;
+    }
+    return VK_SUCCESS;
+}
+
+static VKAPI_ATTR void VKAPI_CALL layer_FreeMemory(VkDevice handle, VkDeviceMemory memory,
+                                                   const VkAllocationCallbacks *allocator)
+{
+    struct device *device = device_of(handle);
+    if (device == NULL) {
+        return;
+    }
+    device->FreeMemory(handle, memory, allocator);
+    if (device->slice == NULL || memory == VK_NULL_HANDLE) {
+        return;
+    }
+    struct allocation *entry = untrack(device, (uint64_t)(uintptr_t)memory);
+    if (entry != NULL) {
+        acct_release(&device->slice->acct, entry->heap, entry->size);
+        free(entry);
+    }
+}
+
+/* -- the entry points ------------------------------------------------------------------------------------- */
+
+static PFN_vkVoidFunction device_function(const char *name)
+{
+#define HOOK(fn) if (strcmp(name, "vk" #fn) == 0) return (PFN_vkVoidFunction)layer_##fn
+    HOOK(DestroyDevice);
+    HOOK(AllocateMemory);
+    HOOK(FreeMemory);
+#undef HOOK
+    return NULL;
+}
+
+static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetDeviceProcAddr(VkDevice handle, const char *name);
+
+static PFN_vkVoidFunction instance_function(const char *name)
+{
+#define HOOK(fn) if (strcmp(name, "vk" #fn) == 0) return (PFN_vkVoidFunction)layer_##fn
+#define ALIAS(alias, fn) if (strcmp(name, alias) == 0) return (PFN_vkVoidFunction)layer_##fn
+    HOOK(CreateInstance);
+    HOOK(DestroyInstance);
+    HOOK(EnumeratePhysicalDevices);
+    HOOK(EnumeratePhysicalDeviceGroups);
+    ALIAS("vkEnumeratePhysicalDeviceGroupsKHR", EnumeratePhysicalDeviceGroups);
+    HOOK(GetPhysicalDeviceMemoryProperties);
+    HOOK(GetPhysicalDeviceMemoryProperties2);
+    ALIAS("vkGetPhysicalDeviceMemoryProperties2KHR", GetPhysicalDeviceMemoryProperties2);
+    HOOK(GetPhysicalDeviceProperties2);
+    ALIAS("vkGetPhysicalDeviceProperties2KHR", GetPhysicalDeviceProperties2);
+    HOOK(EnumerateDeviceExtensionProperties);
+    HOOK(CreateDevice);
+    HOOK(GetDeviceProcAddr);
+#undef ALIAS
+#undef HOOK
+    return NULL;
+}
+
+static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetDeviceProcAddr(VkDevice handle, const char *name)
+{
+    PFN_vkVoidFunction own = device_function(name);
+    if (own != NULL) {
+        return own;
+    }
+    struct device *device = device_of(handle);
+    return device != NULL ? device->gdpa(handle, name) : NULL;
+}
+
+static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetInstanceProcAddr(VkInstance handle, const char *name)
+{
+    if (strcmp(name, "vkGetInstanceProcAddr") == 0) {
+        return (PFN_vkVoidFunction)layer_GetInstanceProcAddr;
+    }
+    PFN_vkVoidFunction own = instance_function(name);
+    if (own == NULL) {
+        own = device_function(name);
+    }
+    if (handle == VK_NULL_HANDLE) {
+        return strcmp(name, "vkCreateInstance") == 0 ? own : NULL;
+    }
+    struct instance *instance = instance_of(handle);
+    if (instance == NULL) {
+        return own;
+    }
+    PFN_vkVoidFunction next = instance->gipa(handle, name);
+    /* A function the layers below do not have is not one the layer may offer either (a 1.0 instance's
+     * vkGetPhysicalDeviceProperties2, say); vkCreateDevice and the device's own always exist. */
+    if (own != NULL && (next != NULL || strcmp(name, "vkGetDeviceProcAddr") == 0)) {
+        return own;
+    }
+    return next;
+}
+
+EXPORT VKAPI_ATTR VkResult VKAPI_CALL vkNegotiateLoaderLayerInterfaceVersion(VkNegotiateLayerInterface *version)
+{
+    if (version == NULL || version->sType != LAYER_NEGOTIATE_INTERFACE_STRUCT) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    if (version->loaderLayerInterfaceVersion < 2) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    version->loaderLayerInterfaceVersion = 2;
+    version->pfnGetInstanceProcAddr = layer_GetInstanceProcAddr;
+    version->pfnGetDeviceProcAddr = layer_GetDeviceProcAddr;
+    version->pfnGetPhysicalDeviceProcAddr = NULL;
+    return VK_SUCCESS;
+}

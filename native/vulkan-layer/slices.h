@@ -1,0 +1,40 @@
+/* What this container was given, from its environment: one slice per GPU it may see.
+ *
+ *   GPUPPETTI_VK_SLICES      comma-separated SELECTOR=BYTES: SELECTOR is any, pci:DDDD:BB:DD.F or uuid:<32 hex>;
+ *                            BYTES is the slice's memory budget, 0 for a whole GPU (visible, not limited)
+ *   GPUPPETTI_VK_ACCOUNTING  the directory holding slice-<n>.acct, the n-th slice's shared accounting
+ *
+ * Without GPUPPETTI_VK_SLICES, or with a value that does not parse, the layer passes everything through.
+ */
+#ifndef GPUPPETTI_SLICES_H
+#define GPUPPETTI_SLICES_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "accounting.h"
+
+#define MAX_SLICES 16
+
+enum selector_kind { SELECT_ANY, SELECT_PCI, SELECT_UUID };
+
+struct slice {
+    enum selector_kind kind;
+    uint32_t pci_domain, pci_bus, pci_device, pci_function;
+    uint8_t uuid[16];
+    int64_t budget;
+    struct acct acct;
+};
+
+struct slices {
+    bool active;
+    int count;
+    struct slice items[MAX_SLICES];
+};
+
+/* Parse the environment once per process; the result is never changed afterwards. */
+const struct slices *slices_get(void);
+/* Parse a value of GPUPPETTI_VK_SLICES into slices (no accounting opened); false when it does not parse. */
+bool slices_parse(const char *text, struct slices *out);
+
+#endif

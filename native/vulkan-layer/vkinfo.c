@@ -1,0 +1,476 @@
+/* gpuppetti-vkinfo: what a container sees of its GPUs through Vulkan, and what it can obtain.
+ *
+ *   gpuppetti-vkinfo                      the devices, their heaps, budgets and usage, and whether the layer is on
+ *   gpuppetti-vkinfo --json               the same as JSON
+ *   gpuppetti-vkinfo --allocate MIB       allocate MIB-sized chunks of the first device's memory until refused
+ *                    [--limit MIB]        and stop once that much is obtained
+ *                    [--threads N]        from N threads at once
+ *                    [--hold SECONDS]     and keep them that long before exiting
+ *   gpuppetti-vkinfo --bench N            time N vkAllocateMemory and vkFreeMemory calls of 4 KiB (nanoseconds)
+ *
+ * It is shipped with the layer and mounted into every container that gets a slice. Exit codes: 0, 1 when Vulkan
+ * cannot be used here, 2 for a bad option.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <vulkan/vulkan.h>
+
+#define LAYER_LIBRARY "libVkLayer_gpuppetti.so"
+#define MAX_THREADS 256
+#define MAX_CHUNKS 65536
+
+struct options {
+    bool json;
+    long allocate_mib;
+    long limit_mib;
+    int threads;
+    long hold_seconds;
+    long bench;
+};
+
+static int usage(const char *problem)
+{
+    fprintf(stderr, "gpuppetti-vkinfo: %s (options: --json, --allocate MIB [--limit MIB] [--threads N] "
+                    "[--hold SECONDS], --bench N)\n", problem);
+    return 2;
+}
+
+static bool number(const char *text, long low, long high, long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long value = strtol(text, &end, 10);
+    if (errno != 0 || end == text || *end != '\0' || value < low || value > high) {
+        return false;
+    }
+    *out = value;
+    return true;
+}
+
+static const char *result_name(VkResult result)
+{
+    switch (result) {
+    case VK_SUCCESS: return "VK_SUCCESS";
+    case VK_ERROR_OUT_OF_DEVICE_MEMORY: return "VK_ERROR_OUT_OF_DEVICE_MEMORY";
+    case VK_ERROR_OUT_OF_HOST_MEMORY: return "VK_ERROR_OUT_OF_HOST_MEMORY";
+    case VK_ERROR_INITIALIZATION_FAILED: return "VK_ERROR_INITIALIZATION_FAILED";
+    case VK_ERROR_INCOMPATIBLE_DRIVER: return "VK_ERROR_INCOMPATIBLE_DRIVER";
+    case VK_ERROR_EXTENSION_NOT_PRESENT: return "VK_ERROR_EXTENSION_NOT_PRESENT";
+    case VK_ERROR_TOO_MANY_OBJECTS: return "VK_ERROR_TOO_MANY_OBJECTS";
+    default: return "VK_ERROR_OTHER";
+    }
+}
+
+static const char *type_name(VkPhysicalDeviceType type)
+{
+    switch (type) {
+    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: return "integrated";
+    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: return "discrete";
+    case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: return "virtual";
+    case VK_PHYSICAL_DEVICE_TYPE_CPU: return "cpu";
+    default: return "other";
+    }
+}
+
+/* Whether the layer is active in this process: the loader loads an implicit layer's library only when it is
+ * enabled (its disable_environment unset), so its presence in the process's mappings tells. */
+static bool layer_loaded(void)
+{
+    FILE *maps = fopen("/proc/self/maps", "r");
+    if (maps == NULL) {
+        return false;
+    }
+    char line[4096];
+    bool found = false;
+    while (!found && fgets(line, sizeof line, maps) != NULL) {
+        found = strstr(line, LAYER_LIBRARY) != NULL;
+    }
+    fclose(maps);
+    return found;
+}
+
+static bool device_has(VkPhysicalDevice physical, const char *name)
+{
+    uint32_t count = 0;
+    if (vkEnumerateDeviceExtensionProperties(physical, NULL, &count, NULL) != VK_SUCCESS || count == 0) {
+        return false;
+    }
+    VkExtensionProperties *extensions = calloc(count, sizeof *extensions);
+    bool found = false;
+    if (extensions != NULL && vkEnumerateDeviceExtensionProperties(physical, NULL, &count, extensions) >= 0) {
+        for (uint32_t i = 0; i < count && !found; i++) {
+            found = strcmp(extensions[i].extensionName, name) == 0;
+        }
+    }
+    free(extensions);
+    return found;
+}
+
+struct heap_view {
+    VkDeviceSize size, budget, usage;
+    bool local;
+};
+
+struct device_view {
+    VkPhysicalDeviceProperties properties;
+    uint8_t uuid[VK_UUID_SIZE];
+    bool has_budget;
+    VkDeviceSize max_allocation;
+    uint32_t heap_count;
+    struct heap_view heaps[VK_MAX_MEMORY_HEAPS];
+};
+
+static void view_device(VkPhysicalDevice physical, struct device_view *view)
+{
+    memset(view, 0, sizeof *view);
+    VkPhysicalDeviceMaintenance3Properties maintenance3 = {
+        .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
+    VkPhysicalDeviceIDProperties id = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_ID_PROPERTIES, .pNext = &maintenance3};
+    VkPhysicalDeviceProperties2 properties = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &id};
+    vkGetPhysicalDeviceProperties2(physical, &properties);
+    view->properties = properties.properties;
+    memcpy(view->uuid, id.deviceUUID, VK_UUID_SIZE);
+    view->max_allocation = maintenance3.maxMemoryAllocationSize;
+    view->has_budget = device_has(physical, VK_EXT_MEMORY_BUDGET_EXTENSION_NAME);
+    VkPhysicalDeviceMemoryBudgetPropertiesEXT budget = {
+        .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT};
+    VkPhysicalDeviceMemoryProperties2 memory = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
+                                                .pNext = view->has_budget ? &budget : NULL};
+    vkGetPhysicalDeviceMemoryProperties2(physical, &memory);
+    view->heap_count = memory.memoryProperties.memoryHeapCount;
+    for (uint32_t i = 0; i < view->heap_count; i++) {
+        view->heaps[i].size = memory.memoryProperties.memoryHeaps[i].size;
+        view->heaps[i].local = (memory.memoryProperties.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0;
+        view->heaps[i].budget = view->has_budget ? budget.heapBudget[i] : 0;
+        view->heaps[i].usage = view->has_budget ? budget.heapUsage[i] : 0;
+    }
+}
+
+static void print_uuid(FILE *out, const uint8_t *uuid)
+{
+    for (unsigned i = 0; i < VK_UUID_SIZE; i++) {
+        fprintf(out, "%02x", uuid[i]);
+    }
+}
+
+static void print_json_string(const char *text)
+{
+    putchar('"');
+    for (const unsigned char *c = (const unsigned char *)text; *c != '\0'; c++) {
+        if (*c == '"' || *c == '\\') {
+            printf("\\%c", *c);
+        } else if (*c < 0x20) {
+            printf("\\u%04x", *c);
+        } else {
+            putchar(*c);
+        }
+    }
+    putchar('"');
+}
+
+static void report(bool json, bool layer, VkPhysicalDevice *physicals, uint32_t count)
+{
+    const char *slices = getenv("GPUPPETTI_VK_SLICES");
+    if (json) {
+        printf("{\"layer\": %s, \"slices\": ", layer ? "true" : "false");
+        if (slices != NULL) {
+            print_json_string(slices);
+        } else {
+            printf("null");
+        }
+        printf(", \"devices\": [");
+    } else {
+        printf("slice layer (VK_LAYER_GPUPPETTI_slice): %s (GPUPPETTI_VK_SLICES=%s)\n", layer ? "loaded" : "not loaded",
+               slices != NULL ? slices : "unset");
+    }
+    for (uint32_t d = 0; d < count; d++) {
+        struct device_view view;
+        view_device(physicals[d], &view);
+        if (json) {
+            printf("%s{\"name\": ", d ? ", " : "");
+            print_json_string(view.properties.deviceName);
+            printf(", \"type\": \"%s\", \"uuid\": \"", type_name(view.properties.deviceType));
+            print_uuid(stdout, view.uuid);
+            printf("\", \"memory_budget\": %s, \"max_allocation\": %llu, \"heaps\": [",
+                   view.has_budget ? "true" : "false", (unsigned long long)view.max_allocation);
+            for (uint32_t h = 0; h < view.heap_count; h++) {
+                printf("%s{\"size\": %llu, \"device_local\": %s, \"budget\": %llu, \"usage\": %llu}", h ? ", " : "",
+                       (unsigned long long)view.heaps[h].size, view.heaps[h].local ? "true" : "false",
+                       (unsigned long long)view.heaps[h].budget, (unsigned long long)view.heaps[h].usage);
+            }
+            printf("]}");
+        } else {
+            printf("device %u: %s (%s), uuid ", d, view.properties.deviceName, type_name(view.properties.deviceType));
+            print_uuid(stdout, view.uuid);
+            printf(", largest allocation %llu MiB\n", (unsigned long long)(view.max_allocation >> 20));
+            for (uint32_t h = 0; h < view.heap_count; h++) {
+                printf("  heap %u: %llu MiB%s", h, (unsigned long long)(view.heaps[h].size >> 20),
+                       view.heaps[h].local ? ", device-local" : "");
+                if (view.has_budget) {
+                    printf(", budget %llu MiB, in use %llu MiB", (unsigned long long)(view.heaps[h].budget >> 20),
+                           (unsigned long long)(view.heaps[h].usage >> 20));
+                }
+                printf("\n");
+            }
+        }
+    }
+    if (json) {
+        printf("]");
+    }
+}
+
+/* -- allocating until refused, from one thread or many ---------------------------------------------------- */
+
+struct allocator {
+    VkDevice device;
+    uint32_t type;
+    VkDeviceSize chunk;
+    long limit; /* bytes; 0: until refused */
+    atomic_long obtained;
+    atomic_int chunks;
+    VkDeviceMemory *memories;
+    atomic_int refusal;
+};
+
+static void *allocate_until_refused(void *argument)
+{
+    struct allocator *allocator = argument;
+    for (;;) {
+        if (allocator->limit > 0 &&
+            atomic_fetch_add(&allocator->obtained, (long)allocator->chunk) + (long)allocator->chunk >
+                allocator->limit) {
+            atomic_fetch_sub(&allocator->obtained, (long)allocator->chunk);
+            return NULL;
+        }
+        VkMemoryAllocateInfo info = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+                                     .allocationSize = allocator->chunk, .memoryTypeIndex = allocator->type};
+        VkDeviceMemory memory = VK_NULL_HANDLE;
+        VkResult result = vkAllocateMemory(allocator->device, &info, NULL, &memory);
+        if (result != VK_SUCCESS) {
+            if (allocator->limit > 0) {
+                atomic_fetch_sub(&allocator->obtained, (long)allocator->chunk);
+            }
+            atomic_store(&allocator->refusal, (int)result);
+            return NULL;
+        }
+        int slot = atomic_fetch_add(&allocator->chunks, 1);
+        if (slot >= MAX_CHUNKS) {
+            vkFreeMemory(allocator->device, memory, NULL);
+            atomic_store(&allocator->refusal, (int)VK_ERROR_TOO_MANY_OBJECTS);
+            return NULL;
+        }
+        allocator->memories[slot] = memory;
+        if (allocator->limit == 0) {
+            atomic_fetch_add(&allocator->obtained, (long)allocator->chunk);
+        }
+    }
+}
+
+/* The first device-local memory type (the first type where none is), and its heap. */
+static uint32_t memory_type(VkPhysicalDevice physical, uint32_t *heap)
+{
+    VkPhysicalDeviceMemoryProperties memory;
+    vkGetPhysicalDeviceMemoryProperties(physical, &memory);
+    uint32_t chosen = 0;
+    for (uint32_t i = 0; i < memory.memoryTypeCount; i++) {
+        if (memory.memoryTypes[i].propertyFlags & VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT) {
+            chosen = i;
+            break;
+        }
+    }
+    *heap = memory.memoryTypes[chosen].heapIndex;
+    return chosen;
+}
+
+static VkDevice make_device(VkPhysicalDevice physical)
+{
+    float priority = 1.0f;
+    VkDeviceQueueCreateInfo queue = {.sType = VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, .queueFamilyIndex = 0,
+                                     .queueCount = 1, .pQueuePriorities = &priority};
+    VkDeviceCreateInfo info = {.sType = VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, .queueCreateInfoCount = 1,
+                               .pQueueCreateInfos = &queue};
+    VkDevice device = VK_NULL_HANDLE;
+    if (vkCreateDevice(physical, &info, NULL, &device) != VK_SUCCESS) {
+        return VK_NULL_HANDLE;
+    }
+    return device;
+}
+
+static int allocate(const struct options *options, VkPhysicalDevice physical)
+{
+    VkDevice device = make_device(physical);
+    if (device == VK_NULL_HANDLE) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkCreateDevice failed\n");
+        return 1;
+    }
+    uint32_t heap = 0;
+    struct allocator allocator = {.device = device, .type = memory_type(physical, &heap),
+                                  .chunk = (VkDeviceSize)options->allocate_mib << 20,
+                                  .limit = options->limit_mib << 20};
+    allocator.memories = calloc(MAX_CHUNKS, sizeof *allocator.memories);
+    if (allocator.memories == NULL) {
+        return 1;
+    }
+    pthread_t threads[MAX_THREADS];
+    int started = 0;
+    for (int i = 0; i < options->threads; i++) {
+        if (pthread_create(&threads[started], NULL, allocate_until_refused, &allocator) == 0) {
+            started++;
+        }
+    }
+    for (int i = 0; i < started; i++) {
+        pthread_join(threads[i], NULL);
+    }
+    struct device_view view;
+    view_device(physical, &view);
+    long obtained = atomic_load(&allocator.obtained);
+    if (options->json) {
+        printf(", \"allocation\": {\"chunk\": %llu, \"threads\": %d, \"chunks\": %d, \"obtained\": %ld, "
+               "\"refused_with\": \"%s\", \"heap_budget_after\": %llu, \"heap_usage_after\": %llu}",
+               (unsigned long long)allocator.chunk, started, atomic_load(&allocator.chunks), obtained,
+               result_name((VkResult)atomic_load(&allocator.refusal)), (unsigned long long)view.heaps[heap].budget,
+               (unsigned long long)view.heaps[heap].usage);
+    } else {
+        printf("allocated %d chunk(s) of %ld MiB from %d thread(s): %ld MiB, then %s\n",
+               atomic_load(&allocator.chunks), options->allocate_mib, started, obtained >> 20,
+               result_name((VkResult)atomic_load(&allocator.refusal)));
+    }
+    fflush(stdout);
+    if (options->hold_seconds > 0) {
+        sleep((unsigned)options->hold_seconds);
+    }
+    for (int i = 0; i < atomic_load(&allocator.chunks) && i < MAX_CHUNKS; i++) {
+        vkFreeMemory(device, allocator.memories[i], NULL);
+    }
+    free(allocator.memories);
+    vkDestroyDevice(device, NULL);
+    return 0;
+}
+
+/* -- the cost of the two calls the layer wraps -------------------------------------------------------------- */
+
+static double now_ns(void)
+{
+    struct timespec time;
+    clock_gettime(CLOCK_MONOTONIC, &time);
+    return (double)time.tv_sec * 1e9 + (double)time.tv_nsec;
+}
+
+static int compare(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static int bench(const struct options *options, VkPhysicalDevice physical)
+{
+    VkDevice device = make_device(physical);
+    if (device == VK_NULL_HANDLE) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkCreateDevice failed\n");
+        return 1;
+    }
+    long calls = options->bench;
+    double *allocations = calloc((size_t)calls, sizeof *allocations);
+    double *frees = calloc((size_t)calls, sizeof *frees);
+    if (allocations == NULL || frees == NULL) {
+        return 1;
+    }
+    VkMemoryAllocateInfo info = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, .allocationSize = 4096,
+                                 .memoryTypeIndex = memory_type(physical, &(uint32_t){0})};
+    for (long i = 0; i < calls; i++) {
+        VkDeviceMemory memory;
+        double began = now_ns();
+        VkResult result = vkAllocateMemory(device, &info, NULL, &memory);
+        double allocated = now_ns();
+        if (result != VK_SUCCESS) {
+            fprintf(stderr, "gpuppetti-vkinfo: vkAllocateMemory: %s\n", result_name(result));
+            return 1;
+        }
+        vkFreeMemory(device, memory, NULL);
+        double freed = now_ns();
+        allocations[i] = allocated - began;
+        frees[i] = freed - allocated;
+    }
+    qsort(allocations, (size_t)calls, sizeof *allocations, compare);
+    qsort(frees, (size_t)calls, sizeof *frees, compare);
+    printf("{\"calls\": %ld, \"allocate_ns\": {\"p50\": %.0f, \"p99\": %.0f}, \"free_ns\": {\"p50\": %.0f, "
+           "\"p99\": %.0f}}\n", calls, allocations[calls / 2], allocations[calls * 99 / 100], frees[calls / 2],
+           frees[calls * 99 / 100]);
+    free(allocations);
+    free(frees);
+    vkDestroyDevice(device, NULL);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct options options = {.threads = 1};
+    for (int i = 1; i < argc; i++) {
+        const char *flag = argv[i];
+        long value = 0;
+        if (strcmp(flag, "--json") == 0) {
+            options.json = true;
+        } else if (i + 1 < argc && strcmp(flag, "--allocate") == 0 && number(argv[i + 1], 1, 1 << 20, &value)) {
+            options.allocate_mib = value;
+            i++;
+        } else if (i + 1 < argc && strcmp(flag, "--limit") == 0 && number(argv[i + 1], 1, 1 << 24, &value)) {
+            options.limit_mib = value;
+            i++;
+        } else if (i + 1 < argc && strcmp(flag, "--threads") == 0 && number(argv[i + 1], 1, MAX_THREADS, &value)) {
+            options.threads = (int)value;
+            i++;
+        } else if (i + 1 < argc && strcmp(flag, "--hold") == 0 && number(argv[i + 1], 0, 86400, &value)) {
+            options.hold_seconds = value;
+            i++;
+        } else if (i + 1 < argc && strcmp(flag, "--bench") == 0 && number(argv[i + 1], 1, 10000000, &value)) {
+            options.bench = value;
+            i++;
+        } else {
+            char problem[256];
+            snprintf(problem, sizeof problem, "unknown option or bad value: %s", flag);
+            return usage(problem);
+        }
+    }
+    VkApplicationInfo application = {.sType = VK_STRUCTURE_TYPE_APPLICATION_INFO,
+                                      .pApplicationName = "gpuppetti-vkinfo", .apiVersion = VK_API_VERSION_1_1};
+    VkInstanceCreateInfo info = {.sType = VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, .pApplicationInfo = &application};
+    VkInstance instance;
+    VkResult result = vkCreateInstance(&info, NULL, &instance);
+    if (result != VK_SUCCESS) {
+        fprintf(stderr, "gpuppetti-vkinfo: no Vulkan here: vkCreateInstance: %s\n", result_name(result));
+        return 1;
+    }
+    bool layer = layer_loaded();
+    uint32_t count = 0;
+    vkEnumeratePhysicalDevices(instance, &count, NULL);
+    VkPhysicalDevice *physicals = calloc(count ? count : 1, sizeof *physicals);
+    if (physicals == NULL) {
+        return 1;
+    }
+    vkEnumeratePhysicalDevices(instance, &count, physicals);
+    int code = 0;
+    if (options.bench > 0) {
+        code = count > 0 ? bench(&options, physicals[0]) : 1;
+    } else {
+        report(options.json, layer, physicals, count);
+        if (options.allocate_mib > 0) {
+            code = count > 0 ? allocate(&options, physicals[0]) : 1;
+        }
+        if (options.json) {
+            printf("}\n");
+        }
+    }
+    free(physicals);
+    vkDestroyInstance(instance, NULL);
+    return code;
+}

@@ -1,0 +1,131 @@
+"""The device plugin's side of enforced slices: a layer directory per Allocate, gone once the kubelet frees its units.
+
+The Device Plugin API never says when a container's units are freed. The kubelet's PodResources API does, on
+asking: which device ids of which resource are assigned to containers now. A duty asks it every
+``CHECK_INTERVAL_S`` and removes the directories of allocations none of whose units is assigned any more. Units
+are exclusive, so an Allocate of a unit also removes any earlier allocation that had it; at start, directories of
+units the plugin no longer advertises go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from gpuppetti._proto.podresources.v1 import api_pb2 as pb
+from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
+from gpuppetti.model import ContainerEdits
+from gpuppetti.sharing.budgets import Budget
+from gpuppetti.vulkanlayer import LayerDir, LayerUnavailable
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 30.0
+# A directory this young may belong to an Allocate the kubelet has not recorded yet.
+GRACE_S = 60.0
+PREFIX = "dp-"
+
+
+def allocation_id(unit_ids: Sequence[str]) -> str:
+    digest = hashlib.sha256("\n".join(sorted(unit_ids)).encode()).hexdigest()
+    return f"{PREFIX}{digest[:24]}"
+
+
+def pod_resources_socket(device_plugin_dir: Path) -> Path:
+    """Beside the device plugin directory, as the kubelet keeps them (/var/lib/kubelet/pod-resources)."""
+    return device_plugin_dir.parent / "pod-resources" / "kubelet.sock"
+
+
+class Enforcer:
+    def __init__(self, layer: LayerDir, pod_resources: Path, interval: float = CHECK_INTERVAL_S,
+                 grace: float = GRACE_S) -> None:
+        self.layer = layer
+        self.pod_resources = pod_resources
+        self.interval = interval
+        self.grace = grace
+        self.available = False
+        self.why_not = "not started"
+        # Allocation -> (its units, when it was made, monotonic).
+        self._allocations: dict[str, tuple[frozenset[str], float]] = {}
+        self._said_no_pod_resources = False
+
+    async def start(self, advertised: set[str]) -> None:
+        """Install the layer, and forget allocations of units no longer advertised. Never raises: without the
+        layer, containers run unenforced, and the log says so."""
+        try:
+            await asyncio.to_thread(self.layer.install)
+        except LayerUnavailable as exc:
+            self.why_not = str(exc)
+            log.warning("slices are not enforced: %s", exc)
+            return
+        self.available = True
+        existing = await asyncio.to_thread(self.layer.existing)
+        for allocation, units in existing.items():
+            if not allocation.startswith(PREFIX):
+                continue
+            if units and set(units) <= advertised:
+                # Possibly still in use: the PodResources check decides once its grace has passed.
+                self._allocations[allocation] = (frozenset(units), time.monotonic() - self.grace)
+            else:
+                await asyncio.to_thread(self.layer.remove, allocation)
+        log.info("slices are enforced through the Vulkan layer in %s", self.layer.path)
+
+    async def allocate(self, unit_ids: Sequence[str], budgets: Sequence[Budget]) -> ContainerEdits:
+        """The allocation's directory, made anew, and the edits that put its container under the layer."""
+        allocation = allocation_id(unit_ids)
+        units = frozenset(unit_ids)
+        freed = [other for other, (theirs, _) in self._allocations.items() if other != allocation and theirs & units]
+        memories = [budget.memory for budget in budgets]
+        await asyncio.to_thread(self._replace, allocation, memories, sorted(units), freed)
+        for other in freed:
+            self._allocations.pop(other, None)
+        self._allocations[allocation] = (units, time.monotonic())
+        return self.layer.edits(allocation, budgets)
+
+    def _replace(self, allocation: str, memories: list[int], units: list[str], freed: list[str]) -> None:
+        for other in freed:
+            self.layer.remove(other)
+        self.layer.create(allocation, memories, units)
+
+    async def keep_in_use(self) -> None:
+        """Duty: ask the kubelet which units are assigned, and remove the directories of the others."""
+        while True:
+            await asyncio.sleep(self.interval)
+            if self._allocations:
+                await self.check()
+
+    async def check(self) -> None:
+        assigned = await self._assigned()
+        if assigned is None:
+            return
+        now = time.monotonic()
+        gone = [allocation for allocation, (units, made) in self._allocations.items()
+                if now - made >= self.grace and not units & assigned]
+        for allocation in gone:
+            await asyncio.to_thread(self.layer.remove, allocation)
+            del self._allocations[allocation]
+        if gone:
+            log.info("removed the layer directories of %d freed allocation(s)", len(gone))
+
+    async def _assigned(self) -> set[str] | None:
+        if not self.pod_resources.exists():
+            if not self._said_no_pod_resources:
+                log.info("no kubelet PodResources socket at %s: the layer directories of freed units are removed "
+                         "when the units are allocated again", self.pod_resources)
+                self._said_no_pod_resources = True
+            return None
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{self.pod_resources}") as channel:
+                answer = await pb_grpc.PodResourcesListerStub(channel).List(pb.ListPodResourcesRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("asking the kubelet's PodResources API which units are assigned failed: %s: %s",
+                        exc.code().name, exc.details())
+            return None
+        return {device_id for pod in answer.pod_resources for container in pod.containers
+                for devices in container.devices for device_id in devices.device_ids}

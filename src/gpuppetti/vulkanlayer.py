@@ -1,0 +1,169 @@
+"""Delivering the Vulkan layer: installed once per node, mounted into each container given a share of a GPU.
+
+At start a daemon copies the layer's library and probe (built with the package, in ``gpuppetti/_native``) into
+the layer directory (``--vulkan-layer-dir``) and writes the layer's manifest beside them. Each allocation then gets
+a directory of its own under ``allocations/``, with one accounting file per GPU (the layout of
+native/vulkan-layer/accounting.h), and its container gets read-only mounts of the manifest (into the standard
+implicit layer directory: Debian 12's loader ignores VK_ADD_LAYER_PATH for implicit layers), the library and the
+probe, a read-write mount of its allocation directory, and the env that names its slices.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuppetti.fsutil import atomic_write, make_directory
+from gpuppetti.model import ContainerEdits, Mount
+from gpuppetti.sharing.budgets import Budget
+
+log = logging.getLogger(__name__)
+
+LAYER_NAME = "VK_LAYER_GPUPPETTI_slice"
+LIBRARY = "libVkLayer_gpuppetti.so"
+PROBE = "gpuppetti-vkinfo"
+MANIFEST = "VkLayer_gpuppetti.json"
+ALLOCATIONS = "allocations"
+# Where the built layer is, inside the package.
+BUILT = Path(__file__).resolve().parent / "_native"
+
+# Inside the container.
+CONTAINER_MANIFEST = f"/etc/vulkan/implicit_layer.d/{MANIFEST}"
+CONTAINER_LIBRARY = f"/usr/lib/gpuppetti/{LIBRARY}"
+CONTAINER_PROBE = f"/usr/local/bin/{PROBE}"
+CONTAINER_ACCOUNTING = "/run/gpuppetti/vulkan"
+DISABLE_ENV = "GPUPPETTI_VK_DISABLE"
+
+# The accounting file, as native/vulkan-layer/accounting.h lays it out.
+ACCT_MAGIC = b"GPPTVK01"
+ACCT_VERSION = 1
+ACCT_SLOTS = 256
+ACCT_FILE_SIZE = 36864
+
+# An allocation's directory name: it is built from unit ids and claim UIDs, and must stay one path component.
+_ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class LayerUnavailable(Exception):
+    """The layer cannot be delivered; the message says why."""
+
+
+def manifest() -> dict[str, object]:
+    return {
+        "file_format_version": "1.1.2",
+        "layer": {
+            "name": LAYER_NAME,
+            "type": "GLOBAL",
+            "library_path": CONTAINER_LIBRARY,
+            "api_version": "1.3.0",
+            "implementation_version": "1",
+            "description": "gpuppetti: a GPU slice's memory, as the container's GPU",
+            "functions": {"vkNegotiateLoaderLayerInterfaceVersion": "vkNegotiateLoaderLayerInterfaceVersion"},
+            # The layer provides VK_EXT_memory_budget where the driver does not (Venus, lavapipe).
+            "device_extensions": [{"name": "VK_EXT_memory_budget", "spec_version": "1", "entrypoints": []}],
+            "disable_environment": {DISABLE_ENV: "1"},
+        },
+    }
+
+
+def accounting_file(budget: int) -> bytes:
+    header = ACCT_MAGIC + struct.pack("<IIq", ACCT_VERSION, ACCT_SLOTS, budget)
+    return header + bytes(ACCT_FILE_SIZE - len(header))
+
+
+def slices_env(budgets: Sequence[Budget]) -> str:
+    return ",".join(f"{budget.selector}={budget.memory}" for budget in budgets)
+
+
+def memories_of(env_value: str) -> list[int]:
+    """The budgets a GPUPPETTI_VK_SLICES value names, in order (to re-create an allocation's files from it)."""
+    memories = []
+    for entry in env_value.split(","):
+        _, _, number = entry.rpartition("=")
+        memories.append(int(number) if number.isdigit() else 0)
+    return memories
+
+
+@dataclass(frozen=True)
+class LayerDir:
+    """The node's layer directory: the installed layer, and one directory per allocation."""
+
+    path: Path
+
+    @property
+    def allocations(self) -> Path:
+        return self.path / ALLOCATIONS
+
+    def install(self, built: Path = BUILT) -> None:
+        """Copy the built layer and probe in, and write the manifest. Blocks (file I/O): run it in a thread.
+        Raises LayerUnavailable."""
+        missing = [name for name in (LIBRARY, PROBE) if not (built / name).is_file()]
+        if missing:
+            raise LayerUnavailable(f"this installation has no built Vulkan layer ({', '.join(missing)} missing in "
+                                   f"{built}; `make` builds it, and the image has it)")
+        try:
+            make_directory(self.path, 0o755)
+            make_directory(self.allocations, 0o755)
+            for name in (LIBRARY, PROBE):
+                atomic_write(self.path / name, (built / name).read_bytes(), 0o755)
+            atomic_write(self.path / MANIFEST, json.dumps(manifest(), indent=2).encode() + b"\n", 0o644)
+        except OSError as exc:
+            raise LayerUnavailable(f"cannot install the Vulkan layer in {self.path}: {exc.strerror or exc}") from exc
+
+    def create(self, allocation: str, memories: Sequence[int], units: Sequence[str] = (), fresh: bool = True) -> Path:
+        """The allocation's directory, with an accounting file per GPU (one per budget, in order). ``fresh``
+        starts each from zero; otherwise a file that is there is kept (a restarted driver must not forget what
+        running containers hold). Blocks: run it in a thread. Raises OSError, or ValueError for a bad id."""
+        if not _ALLOCATION_ID.match(allocation):
+            raise ValueError(f"not an allocation id: {allocation[:80]!r}")
+        directory = self.allocations / allocation
+        make_directory(directory, 0o755)
+        for index, memory in enumerate(memories):
+            path = directory / f"slice-{index}.acct"
+            if fresh or not path.exists():
+                # Any user a container runs as must be able to count in it.
+                atomic_write(path, accounting_file(memory), 0o666, durable=False)
+        if units:
+            atomic_write(directory / "units", ("\n".join(units) + "\n").encode(), 0o644, durable=False)
+        return directory
+
+    def remove(self, allocation: str) -> None:
+        if _ALLOCATION_ID.match(allocation):
+            shutil.rmtree(self.allocations / allocation, ignore_errors=True)
+
+    def existing(self) -> dict[str, list[str]]:
+        """Each allocation directory, with the units it was made for (none for a DRA claim's)."""
+        found: dict[str, list[str]] = {}
+        try:
+            entries = list(os.scandir(self.allocations))
+        except OSError:
+            return found
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                units = (Path(entry.path) / "units").read_text().split()
+            except OSError:
+                units = []
+            found[entry.name] = units
+        return found
+
+    def edits(self, allocation: str, budgets: Sequence[Budget]) -> ContainerEdits:
+        """What a container needs to run under the layer, held to ``budgets``."""
+        edits = ContainerEdits(env={
+            "GPUPPETTI_VK_SLICES": slices_env(budgets),
+            "GPUPPETTI_VK_ACCOUNTING": CONTAINER_ACCOUNTING,
+            "GPUPPETTI_LIMITS": "vulkan",
+        })
+        edits.add_mount(Mount(CONTAINER_MANIFEST, str(self.path / MANIFEST), read_only=True))
+        edits.add_mount(Mount(CONTAINER_LIBRARY, str(self.path / LIBRARY), read_only=True))
+        edits.add_mount(Mount(CONTAINER_PROBE, str(self.path / PROBE), read_only=True))
+        edits.add_mount(Mount(CONTAINER_ACCOUNTING, str(self.allocations / allocation), read_only=False))
+        return edits

@@ -1,0 +1,95 @@
+"""Enforced slices on the real node: pods whose containers run a Vulkan workload on lavapipe, given a slice by the
+device plugin (Allocate's mounts) or by the DRA driver (a CDI spec that containerd applies), obtain exactly the
+slice's memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuppetti.sandbox import VULKAN_IMAGE, PodmanSandbox, vulkan_icd
+from gpuppetti.vulkanlayer import BUILT, LIBRARY
+from tests.cluster.realnode import RealNode, wait_for, write_config
+from tests.cluster.test_dra import classes, template
+from tests.cluster.test_dra import start as start_driver
+
+__all__ = ["classes"]  # the fixture, from the DRA tests
+
+MIB = 2**20
+GPU = "    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 2Gi, count: 1}\n"
+PLUGIN = (f"version: v1\nbackend: simulated\nsimulated:\n  gpus:\n{GPU}"
+          "sharing:\n  timeSlicing:\n    resources: [{name: apple.com/gpu, replicas: 4}]\n")
+DRA = f"version: v1\nbackend: simulated\nsimulated:\n  gpus:\n{GPU}dra:\n  slicing: consumable\n"
+
+
+@pytest.fixture(scope="module")
+def vulkan_image(realnode: RealNode) -> str:
+    """The sandbox's image (busybox, the host's Vulkan loader and lavapipe), imported into the node's containerd."""
+    if not (BUILT / LIBRARY).exists():
+        pytest.skip("the Vulkan layer is not built here (make native: needs a C compiler and libvulkan-dev)")
+    if vulkan_icd() is None:
+        pytest.skip("no Vulkan loader and lavapipe on this host (Debian: libvulkan1 mesa-vulkan-drivers)")
+    sandbox = PodmanSandbox()
+    if (problem := asyncio.run(sandbox.why_not())) is not None:
+        pytest.skip(f"podman cannot build the Vulkan image here: {problem}")
+    asyncio.run(sandbox.ensure_image())
+    with tempfile.TemporaryDirectory(prefix="gp-vk-image-") as directory:
+        archive = Path(directory) / "vulkan.tar"
+        subprocess.run(["podman", "save", "--format", "docker-archive", "-o", str(archive), VULKAN_IMAGE],
+                       check=True, capture_output=True)
+        realnode.import_image(archive)
+    return VULKAN_IMAGE
+
+
+def workload(name: str, image: str, limits: dict[str, Any] | None = None,
+             claims: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": "vk", "image": image, "imagePullPolicy": "Never",
+                                 "command": ["/usr/local/bin/gpuppetti-vkinfo", "--json", "--allocate", "16"]}
+    spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if limits:
+        container["resources"] = {"limits": limits}
+    if claims:
+        container["resources"] = {"claims": [{"name": n} for n, _ in claims]}
+        spec["resourceClaims"] = [{"name": n, "resourceClaimTemplateName": t} for n, t in claims]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def report(node: RealNode, name: str) -> dict[str, Any]:
+    wait_for(f"pod {name} Succeeded", lambda: node.phase(name) == "Succeeded" or (
+        node.phase(name) == "Failed" and pytest.fail(f"{name} failed: {node.logs(name)}")), 120)
+    result: dict[str, Any] = json.loads(node.logs(name))
+    return result
+
+
+def test_device_plugin_slices_hold_their_containers(node: RealNode, workdir: Path, vulkan_image: str) -> None:
+    path = write_config(workdir, "plugin.yaml", PLUGIN)
+    daemon = node.gpuppetti("gpuppetti-plugin", "plugin", "--config", str(path), "--http-address", "127.0.0.1:0")
+    daemon.wait_ready()
+    daemon.wait_log("slices are enforced through the Vulkan layer")
+    node.wait_allocatable("apple.com/gpu", 4)
+    node.apply([workload("one-slice", vulkan_image, limits={"apple.com/gpu": 1}),
+                workload("two-slices", vulkan_image, limits={"apple.com/gpu": 2})])
+    one, two = report(node, "one-slice"), report(node, "two-slices")
+    assert one["layer"] is True
+    assert one["devices"][0]["heaps"][0]["size"] == 512 * MIB
+    assert one["allocation"]["obtained"] == 512 * MIB
+    assert two["allocation"]["obtained"] == 1024 * MIB
+
+
+def test_a_consumable_claims_memory_through_containerd_cdi(
+        node: RealNode, workdir: Path, classes: None, vulkan_image: str) -> None:
+    start_driver(node, workdir, DRA)
+    node.apply([template("vk-384", {"memory": "384Mi"}),
+                workload("consumer", vulkan_image, claims=[("gpu", "vk-384")])])
+    consumer = report(node, "consumer")
+    assert consumer["layer"] is True
+    assert consumer["devices"][0]["heaps"][0]["size"] == 384 * MIB
+    assert consumer["allocation"]["obtained"] == 384 * MIB
+    assert os.path.isdir(node.dir / "vulkan" / "allocations")

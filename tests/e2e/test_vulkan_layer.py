@@ -1,0 +1,173 @@
+"""The Vulkan layer, through real containers on Mesa's lavapipe: what a slice's container sees and obtains.
+
+Each test runs podman with exactly the mounts and env the daemons hand to a container (LayerDir.edits), in the
+sandbox's image built from this host's Vulkan loader and lavapipe, and reads what gpuppetti-vkinfo reports inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuppetti.model import ContainerEdits, Gpu, Vendor
+from gpuppetti.sandbox import VULKAN_IMAGE, PodmanSandbox, podman_flags, vulkan_icd
+from gpuppetti.sharing.budgets import Budget
+from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir, manifest
+
+pytestmark = pytest.mark.e2e
+
+MIB = 2**20
+SLICE = 512 * MIB
+SIMULATED = Gpu(id="sim-apple-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
+                memory_bytes=2048 * MIB, simulated=True)
+
+
+def why_not_here() -> str | None:
+    if not (BUILT / LIBRARY).exists() or not (BUILT / PROBE).exists():
+        return "the Vulkan layer is not built here (make native: needs a C compiler and libvulkan-dev)"
+    if os.geteuid() != 0:
+        return "podman runs the containers as root here"
+    if vulkan_icd() is None:
+        return "no Vulkan loader and lavapipe on this host (Debian: libvulkan1 mesa-vulkan-drivers)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> PodmanSandbox:
+    reason = why_not_here()
+    if reason is not None:
+        pytest.skip(f"the layer's container tests cannot run: {reason}")
+    box = PodmanSandbox()
+    assert box.image == VULKAN_IMAGE
+    problem = asyncio.run(box.why_not())
+    if problem is not None:
+        pytest.skip(f"podman cannot run containers here: {problem}")
+    asyncio.run(box.ensure_image())
+    return box
+
+
+@pytest.fixture
+async def layer(tmp_path: Path) -> AsyncIterator[LayerDir]:
+    installed = LayerDir(tmp_path / "vulkan")
+    installed.install()
+    yield installed
+
+
+def allocation(layer: LayerDir, budgets: Sequence[int]) -> ContainerEdits:
+    name = f"t-{secrets.token_hex(4)}"
+    layer.create(name, budgets)
+    return layer.edits(name, [Budget(SIMULATED, budget) for budget in budgets])
+
+
+async def vkinfo(sandbox: PodmanSandbox, edits: ContainerEdits, script: str) -> list[dict[str, Any]]:
+    """Run ``script`` (which calls gpuppetti-vkinfo --json) in a container; each JSON report it printed."""
+    code, out, err = await sandbox.shell(f"gpuppetti-test-{secrets.token_hex(4)}", podman_flags(edits), script)
+    assert code == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def heap(report: dict[str, Any]) -> dict[str, Any]:
+    [device] = report["devices"]
+    first: dict[str, Any] = device["heaps"][0]
+    return first
+
+
+async def test_a_slice_is_its_containers_gpu(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    [report] = await vkinfo(sandbox, allocation(layer, [SLICE]), "gpuppetti-vkinfo --json --allocate 16")
+    assert report["layer"] is True
+    [device] = report["devices"]
+    assert device["memory_budget"] is True, "the layer adds VK_EXT_memory_budget, which lavapipe lacks"
+    assert device["max_allocation"] <= SLICE
+    assert heap(report)["size"] == SLICE
+    assert heap(report)["budget"] == SLICE
+    obtained = report["allocation"]["obtained"]
+    assert SLICE - 16 * MIB <= obtained <= SLICE
+    assert report["allocation"]["refused_with"] == "VK_ERROR_OUT_OF_DEVICE_MEMORY"
+    assert report["allocation"]["heap_usage_after"] == obtained
+
+
+async def test_two_slices_give_twice_the_memory(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    [report] = await vkinfo(sandbox, allocation(layer, [2 * SLICE]), "gpuppetti-vkinfo --json --allocate 64")
+    assert heap(report)["size"] == 2 * SLICE
+    assert report["allocation"]["obtained"] == 2 * SLICE
+
+
+async def test_many_threads_never_pass_the_budget(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    [report] = await vkinfo(sandbox, allocation(layer, [SLICE]),
+                            "gpuppetti-vkinfo --json --allocate 1 --threads 32")
+    assert report["allocation"]["threads"] == 32
+    assert report["allocation"]["obtained"] == SLICE, "1 MiB chunks fill the slice exactly, and never more"
+
+
+async def test_the_processes_of_a_container_share_its_budget(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    script = ("gpuppetti-vkinfo --json --allocate 64 --limit 192 --hold 5 > /tmp/first & sleep 2; "
+              "gpuppetti-vkinfo --json --allocate 64; wait; cat /tmp/first")
+    second, first = await vkinfo(sandbox, allocation(layer, [SLICE]), script)
+    assert first["allocation"]["obtained"] == 192 * MIB
+    assert second["allocation"]["obtained"] == SLICE - 192 * MIB
+    assert heap(second)["usage"] == 192 * MIB, "the budget extension reports the container's use"
+
+
+async def test_a_killed_process_gives_its_memory_back(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    script = ("gpuppetti-vkinfo --json --allocate 64 --hold 60 > /dev/null & holder=$!; sleep 2; kill -9 $holder; "
+              "wait $holder; gpuppetti-vkinfo --json --allocate 64")
+    [after] = await vkinfo(sandbox, allocation(layer, [SLICE]), script)
+    assert after["allocation"]["obtained"] == SLICE
+
+
+async def test_two_containers_of_one_claim_share_its_budget(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    edits = allocation(layer, [SLICE])
+    holder = asyncio.create_task(vkinfo(sandbox, edits, "gpuppetti-vkinfo --json --allocate 64 --limit 320 --hold 8"))
+    await asyncio.sleep(4)
+    [second] = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --json --allocate 64")
+    [first] = await holder
+    assert first["allocation"]["obtained"] == 320 * MIB
+    assert second["allocation"]["obtained"] == SLICE - 320 * MIB
+
+
+async def test_a_whole_gpu_is_not_limited(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    [report] = await vkinfo(sandbox, allocation(layer, [0]), "gpuppetti-vkinfo --json --allocate 64 --limit 1024")
+    assert heap(report)["size"] == SIMULATED.memory_bytes, "lavapipe's own 2 GiB heap"
+    assert report["allocation"]["obtained"] == 1024 * MIB
+
+
+@pytest.mark.parametrize(("env", "loaded"), [
+    ({"GPUPPETTI_VK_SLICES": None}, True),
+    ({"GPUPPETTI_VK_SLICES": "any=lots"}, True),
+    ({"GPUPPETTI_VK_DISABLE": "1"}, False),
+], ids=["env-absent", "env-malformed", "disabled"])
+async def test_without_its_env_the_layer_changes_nothing(
+    sandbox: PodmanSandbox, layer: LayerDir, env: dict[str, str | None], loaded: bool
+) -> None:
+    edits = allocation(layer, [SLICE])
+    for key, value in env.items():
+        if value is None:
+            edits.env.pop(key)
+        else:
+            edits.env[key] = value
+    [report] = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --json --allocate 64 --limit 768")
+    assert report["layer"] is loaded
+    assert heap(report)["size"] == SIMULATED.memory_bytes
+    assert report["allocation"]["obtained"] == 768 * MIB, "the application runs as without the layer"
+
+
+def test_the_manifest_is_what_the_loader_reads(tmp_path: Path) -> None:
+    written = LayerDir(tmp_path / "vulkan")
+    if not (BUILT / LIBRARY).exists():
+        pytest.skip("the Vulkan layer is not built here (make native: needs a C compiler and libvulkan-dev)")
+    written.install()
+    document = json.loads((tmp_path / "vulkan" / "VkLayer_gpuppetti.json").read_text())
+    assert document == manifest()
+    layer = document["layer"]
+    for key in ("name", "type", "library_path", "api_version", "implementation_version", "description"):
+        assert isinstance(layer[key], str) and layer[key], key
+    assert layer["functions"] == {"vkNegotiateLoaderLayerInterfaceVersion": "vkNegotiateLoaderLayerInterfaceVersion"}
+    # An implicit layer must name how to turn it off.
+    assert layer["disable_environment"] == {"GPUPPETTI_VK_DISABLE": "1"}
