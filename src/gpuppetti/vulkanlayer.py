@@ -10,6 +10,7 @@ probe, a read-write mount of its allocation directory, and the env that names it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -73,9 +74,37 @@ def manifest() -> dict[str, object]:
     }
 
 
+def _header(budget: int) -> bytes:
+    return ACCT_MAGIC + struct.pack("<IIq", ACCT_VERSION, ACCT_SLOTS, budget)
+
+
 def accounting_file(budget: int) -> bytes:
-    header = ACCT_MAGIC + struct.pack("<IIq", ACCT_VERSION, ACCT_SLOTS, budget)
+    header = _header(budget)
     return header + bytes(ACCT_FILE_SIZE - len(header))
+
+
+def _write_new(path: str, data: bytes, size: int, mode: int, replace: bool = False) -> None:
+    """Create ``path`` (never through a link), ``size`` bytes long (zeros after ``data``), with ``mode``."""
+    if replace:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+        if size:
+            os.ftruncate(fd, size)
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def _holds_header(path: str) -> bool:
+    """Whether ``path`` is an accounting file that was written whole (a crash can leave one created but empty)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(ACCT_MAGIC)) == ACCT_MAGIC
+    except FileNotFoundError:
+        return False
 
 
 def slices_env(budgets: Sequence[Budget]) -> str:
@@ -123,16 +152,24 @@ class LayerDir:
         running containers hold). Blocks: run it in a thread. Raises OSError, or ValueError for a bad id."""
         if not _ALLOCATION_ID.match(allocation):
             raise ValueError(f"not an allocation id: {allocation[:80]!r}")
-        directory = self.allocations / allocation
-        make_directory(directory, 0o755)
+        # On the device plugin's Allocate path: a few system calls, no temporary files. Nothing reads these files
+        # before the container starts, which is after the answer, so no reader can see one half-written.
+        directory = os.path.join(self.allocations, allocation)
+        try:
+            os.mkdir(directory, 0o755)
+            os.chmod(directory, 0o755)
+        except FileExistsError:
+            pass
         for index, memory in enumerate(memories):
-            path = directory / f"slice-{index}.acct"
-            if fresh or not path.exists():
-                # Any user a container runs as must be able to count in it.
-                atomic_write(path, accounting_file(memory), 0o666, durable=False)
+            path = os.path.join(directory, f"slice-{index}.acct")
+            if not fresh and _holds_header(path):
+                continue  # kept: running containers count in it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            _write_new(path, _header(memory), ACCT_FILE_SIZE, 0o666)  # any user a container runs as counts in it
         if units:
-            atomic_write(directory / "units", ("\n".join(units) + "\n").encode(), 0o644, durable=False)
-        return directory
+            _write_new(os.path.join(directory, "units"), ("\n".join(units) + "\n").encode(), 0, 0o644, replace=True)
+        return Path(directory)
 
     def remove(self, allocation: str) -> None:
         if _ALLOCATION_ID.match(allocation):
