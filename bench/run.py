@@ -451,6 +451,35 @@ async def bench_vulkan_layer(workdir: Path, figures: list[Figure]) -> None:
         figures.append(Figure(f"Vulkan layer: added cost per {name} (median)", added, "ns", "< 1 µs",
                               added < LAYER_GOAL_NS, f"p50 {layered:,.0f} ns with the layer, {base:,.0f} ns "
                               f"without, lavapipe, {LAYER_ROUNDS} interleaved rounds of {LAYER_CALLS:,} calls"))
+    await _bench_compute_share(probe, with_layer, figures)
+
+
+COMPUTE_SHARES, COMPUTE_ROUNDS, COMPUTE_SECONDS, COMPUTE_GOAL = (500, 250), 3, 2, 0.10
+
+
+async def _bench_compute_share(probe: Path, env: dict[str, str], figures: list[Figure]) -> None:
+    """How closely the duty cycle holds a workload to its compute share: the GPU time (timestamps around each
+    batch of buffer fills, on lavapipe) that the workload gets in COMPUTE_SECONDS with each share, and without one,
+    rounds interleaved, in this one run."""
+    for in_flight in (1, 3):
+        used: dict[int, list[float]] = {share: [] for share in (1000, *COMPUTE_SHARES)}
+        for _ in range(COMPUTE_ROUNDS):
+            for share in used:
+                process = await asyncio.create_subprocess_exec(
+                    str(probe), "--busy", str(COMPUTE_SECONDS), "--fill", "32", "--in-flight", str(in_flight),
+                    env={**env, "GPUPPETTI_VK_COMPUTE": str(share)}, stdout=asyncio.subprocess.PIPE)
+                out, _ = await process.communicate()
+                busy = json.loads(out)["busy"]
+                used[share].append(busy["gpu_seconds"] / busy["seconds"])
+        free = statistics.median(used[1000])
+        for share in COMPUTE_SHARES:
+            got = statistics.median(used[share])
+            error = abs(got * 1000 / share - 1)
+            figures.append(Figure(
+                f"Vulkan layer: GPU time a {share / 10:g} % compute share gets, {in_flight} batch(es) in flight",
+                100 * got, "% of the time", f"within {COMPUTE_GOAL:.0%} of the share", error <= COMPUTE_GOAL,
+                f"{100 * free:.0f} % without a share; lavapipe, timestamps around each batch of buffer fills, "
+                f"{COMPUTE_ROUNDS} interleaved rounds of {COMPUTE_SECONDS} s"))
 
 
 def number(value: float) -> str:

@@ -33,7 +33,12 @@ struct acct_file {
     _Atomic int64_t heap_usage[ACCT_HEAPS];
     _Atomic int64_t slot_bytes[ACCT_SLOTS];
     _Atomic int64_t slot_heap[ACCT_SLOTS][ACCT_HEAPS];
+    /* The compute duty cycle (dutycycle.h): no batch is submitted before this CLOCK_MONOTONIC time, in ns. Zero
+     * in a new file, and within ACCT_FILE_SIZE, so files written before it existed hold it too. */
+    _Atomic int64_t not_before_ns;
 };
+
+_Static_assert(sizeof(struct acct_file) <= ACCT_FILE_SIZE, "the accounting layout outgrew its file");
 
 struct acct {
     struct acct_file *file; /* the shared mapping; a private one where no file could be used */

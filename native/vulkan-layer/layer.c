@@ -7,6 +7,9 @@
  * - vkAllocateMemory reserves in the slice's shared accounting before it calls down, and returns
  *   VK_ERROR_OUT_OF_DEVICE_MEMORY once the container's processes together would pass the budget.
  *
+ * - With a compute share (dutycycle.h), vkQueueSubmit and vkQueueSubmit2 wait while the slice has used more than
+ *   its share of the GPU's time.
+ *
  * What counts: on a discrete GPU, the device-local heaps (VRAM, and a resizable-BAR heap beside it); on an
  * integrated GPU, a CPU (lavapipe) or a virtual GPU (Venus), where every heap is the same memory, all of them.
  * Imported memory (fd, dma-buf, host pointer) is someone else's and does not count.
@@ -25,6 +28,7 @@
 #include <vulkan/vulkan.h>
 
 #include "accounting.h"
+#include "dutycycle.h"
 #include "slices.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -86,6 +90,10 @@ struct device {
     PFN_vkDestroyDevice DestroyDevice;
     PFN_vkAllocateMemory AllocateMemory;
     PFN_vkFreeMemory FreeMemory;
+    PFN_vkQueueSubmit QueueSubmit;
+    PFN_vkQueueSubmit2 QueueSubmit2;
+    PFN_vkQueueSubmit2KHR QueueSubmit2KHR;
+    struct duty *duty;               /* NULL: not throttled */
     struct slice *slice;             /* NULL or budget 0: nothing to count */
     uint32_t counted_heaps;          /* bit per heap whose allocations count */
     uint32_t type_heap[VK_MAX_MEMORY_TYPES];
@@ -817,6 +825,19 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
     device->DestroyDevice = (PFN_vkDestroyDevice)gdpa(*out, "vkDestroyDevice");
     device->AllocateMemory = (PFN_vkAllocateMemory)gdpa(*out, "vkAllocateMemory");
     device->FreeMemory = (PFN_vkFreeMemory)gdpa(*out, "vkFreeMemory");
+    device->QueueSubmit = (PFN_vkQueueSubmit)gdpa(*out, "vkQueueSubmit");
+    device->QueueSubmit2 = (PFN_vkQueueSubmit2)gdpa(*out, "vkQueueSubmit2");
+    device->QueueSubmit2KHR = (PFN_vkQueueSubmit2KHR)gdpa(*out, "vkQueueSubmit2KHR");
+    if (physical != NULL && physical->slice != NULL && physical->slice->compute < 1000) {
+        struct duty_calls calls = {
+            .QueueSubmit = device->QueueSubmit,
+            .CreateFence = (PFN_vkCreateFence)gdpa(*out, "vkCreateFence"),
+            .DestroyFence = (PFN_vkDestroyFence)gdpa(*out, "vkDestroyFence"),
+            .WaitForFences = (PFN_vkWaitForFences)gdpa(*out, "vkWaitForFences"),
+            .ResetFences = (PFN_vkResetFences)gdpa(*out, "vkResetFences"),
+        };
+        device->duty = duty_create(*out, &calls, &physical->slice->acct, physical->slice->compute);
+    }
     if (physical != NULL && physical->slice != NULL && physical->slice->budget > 0) {
         VkPhysicalDeviceMemoryProperties memory;
         instance->GetPhysicalDeviceMemoryProperties(physical_handle, &memory);
@@ -827,6 +848,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
         }
     }
     if (!remember((void **)devices, MAX_DEVICES, device)) {
+        duty_destroy(device->duty);
         free(device);
     }
     return VK_SUCCESS;
@@ -846,6 +868,7 @@ static VKAPI_ATTR void VKAPI_CALL layer_DestroyDevice(VkDevice handle, const VkA
     if (device->slice != NULL) {
         untrack_device(device);
     }
+    duty_destroy(device->duty);
     free(device);
     destroy(handle, allocator);
 }
@@ -930,6 +953,61 @@ static VKAPI_ATTR void VKAPI_CALL layer_FreeMemory(VkDevice handle, VkDeviceMemo
     }
 }
 
+/* -- submits: held to the slice's share of GPU time, where it has one ------------------------------------- */
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_QueueSubmit(VkQueue queue, uint32_t count, const VkSubmitInfo *submits,
+                                                        VkFence fence)
+{
+    struct device *device = device_of(queue);
+    if (device == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    if (device->duty == NULL || count == 0) {
+        return device->QueueSubmit(queue, count, submits, fence);
+    }
+    duty_wait(device->duty);
+    int64_t submitted = duty_now();
+    VkResult result = device->QueueSubmit(queue, count, submits, fence);
+    if (result == VK_SUCCESS) {
+        duty_track(device->duty, queue, submitted);
+    }
+    return result;
+}
+
+static VkResult submit2(VkQueue queue, uint32_t count, const VkSubmitInfo2 *submits, VkFence fence, bool khr)
+{
+    struct device *device = device_of(queue);
+    if (device == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    PFN_vkQueueSubmit2 next = khr ? device->QueueSubmit2KHR : device->QueueSubmit2;
+    if (next == NULL) {
+        return VK_ERROR_FEATURE_NOT_PRESENT;
+    }
+    if (device->duty == NULL || count == 0) {
+        return next(queue, count, submits, fence);
+    }
+    duty_wait(device->duty);
+    int64_t submitted = duty_now();
+    VkResult result = next(queue, count, submits, fence);
+    if (result == VK_SUCCESS) {
+        duty_track(device->duty, queue, submitted);
+    }
+    return result;
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_QueueSubmit2(VkQueue queue, uint32_t count,
+                                                         const VkSubmitInfo2 *submits, VkFence fence)
+{
+    return submit2(queue, count, submits, fence, false);
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_QueueSubmit2KHR(VkQueue queue, uint32_t count,
+                                                            const VkSubmitInfo2 *submits, VkFence fence)
+{
+    return submit2(queue, count, submits, fence, true);
+}
+
 /* -- the entry points ------------------------------------------------------------------------------------- */
 
 static PFN_vkVoidFunction device_function(const char *name)
@@ -938,6 +1016,9 @@ static PFN_vkVoidFunction device_function(const char *name)
     HOOK(DestroyDevice);
     HOOK(AllocateMemory);
     HOOK(FreeMemory);
+    HOOK(QueueSubmit);
+    HOOK(QueueSubmit2);
+    HOOK(QueueSubmit2KHR);
 #undef HOOK
     return NULL;
 }
@@ -968,12 +1049,14 @@ static PFN_vkVoidFunction instance_function(const char *name)
 
 static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetDeviceProcAddr(VkDevice handle, const char *name)
 {
+    struct device *device = device_of(handle);
+    PFN_vkVoidFunction next = device != NULL ? device->gdpa(handle, name) : NULL;
     PFN_vkVoidFunction own = device_function(name);
-    if (own != NULL) {
+    /* A function the layers below do not have (vkQueueSubmit2 on a device without it) is not offered either. */
+    if (own != NULL && (next != NULL || device == NULL)) {
         return own;
     }
-    struct device *device = device_of(handle);
-    return device != NULL ? device->gdpa(handle, name) : NULL;
+    return next;
 }
 
 static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetInstanceProcAddr(VkInstance handle, const char *name)

@@ -96,7 +96,35 @@ bool slices_parse(const char *text, struct slices *out)
         if (*cursor == ',') cursor++;
     }
     out->active = out->count > 0;
+    for (int i = 0; i < out->count; i++) {
+        out->items[i].compute = 1000;
+    }
     return out->active;
+}
+
+bool slices_parse_compute(const char *text, struct slices *slices)
+{
+    int shares[MAX_SLICES];
+    int count = 0;
+    const char *cursor = text;
+    bool parsed = text != NULL && *text != '\0';
+    while (parsed && *cursor != '\0') {
+        char *end = NULL;
+        errno = 0;
+        long share = strtol(cursor, &end, 10);
+        parsed = errno == 0 && end != cursor && share >= 1 && share <= 1000 && count < MAX_SLICES &&
+                 (*end == ',' || *end == '\0');
+        if (parsed) {
+            shares[count++] = (int)share;
+            cursor = *end == ',' ? end + 1 : end;
+            parsed = !(*end == ',' && *cursor == '\0');
+        }
+    }
+    parsed = parsed && count == slices->count;
+    for (int i = 0; i < slices->count; i++) {
+        slices->items[i].compute = parsed ? shares[i] : 1000;
+    }
+    return parsed;
 }
 
 static struct slices loaded;
@@ -108,6 +136,10 @@ const struct slices *slices_get(void)
     if (atomic_compare_exchange_strong(&state, &expected, 1)) {
         struct slices parsed;
         if (slices_parse(getenv("GPUPPETTI_VK_SLICES"), &parsed)) {
+            const char *compute = getenv("GPUPPETTI_VK_COMPUTE");
+            if (compute != NULL) {
+                slices_parse_compute(compute, &parsed);
+            }
             const char *directory = getenv("GPUPPETTI_VK_ACCOUNTING");
             for (int i = 0; i < parsed.count; i++) {
                 char path[4096];

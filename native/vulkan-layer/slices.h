@@ -4,6 +4,9 @@
  *                            BYTES is the slice's memory budget, 0 for a whole GPU (visible, not limited)
  *   GPUPPETTI_VK_ACCOUNTING  the directory holding slice-<n>.acct, the n-th slice's shared accounting
  *
+ *   GPUPPETTI_VK_COMPUTE     optional: each slice's share of GPU time (dutycycle.h); a value that does not parse,
+ *                            or names more or fewer slices, throttles none
+ *
  * Without GPUPPETTI_VK_SLICES, or with a value that does not parse, the layer passes everything through.
  */
 #ifndef GPUPPETTI_SLICES_H
@@ -23,6 +26,7 @@ struct slice {
     uint32_t pci_domain, pci_bus, pci_device, pci_function;
     uint8_t uuid[16];
     int64_t budget;
+    int compute; /* thousandths of the GPU's time; 1000: not throttled */
     struct acct acct;
 };
 
@@ -36,5 +40,8 @@ struct slices {
 const struct slices *slices_get(void);
 /* Parse a value of GPUPPETTI_VK_SLICES into slices (no accounting opened); false when it does not parse. */
 bool slices_parse(const char *text, struct slices *out);
+/* Parse a value of GPUPPETTI_VK_COMPUTE into slices' compute shares; false (and every share 1000) when it does not
+ * parse or does not name exactly one share per slice. */
+bool slices_parse_compute(const char *text, struct slices *slices);
 
 #endif

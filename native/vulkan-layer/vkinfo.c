@@ -7,6 +7,10 @@
  *                    [--threads N]        from N threads at once
  *                    [--hold SECONDS]     and keep them that long before exiting
  *   gpuppetti-vkinfo --bench N            time N vkAllocateMemory and vkFreeMemory calls of 4 KiB (nanoseconds)
+ *   gpuppetti-vkinfo --busy SECONDS       keep the first device busy that long, filling a buffer again and again,
+ *                    [--fill MIB]         of MIB (default 64)
+ *                    [--in-flight N]      with N batches queued at once (default 1), and print the batches done
+ *                                         and the GPU time they took (from timestamps written around each fill)
  *
  * It is shipped with the layer and mounted into every container that gets a slice. Exit codes: 0, 1 when Vulkan
  * cannot be used here, 2 for a bad option.
@@ -36,12 +40,15 @@ struct options {
     int threads;
     long hold_seconds;
     long bench;
+    long busy_seconds;
+    long fill_mib;
+    int in_flight;
 };
 
 static int usage(const char *problem)
 {
     fprintf(stderr, "gpuppetti-vkinfo: %s (options: --json, --allocate MIB [--limit MIB] [--threads N] "
-                    "[--hold SECONDS], --bench N)\n", problem);
+                    "[--hold SECONDS], --bench N, --busy SECONDS [--fill MIB] [--in-flight N])\n", problem);
     return 2;
 }
 
@@ -181,6 +188,7 @@ static void print_json_string(const char *text)
 static void report(bool json, bool layer, VkPhysicalDevice *physicals, uint32_t count)
 {
     const char *slices = getenv("GPUPPETTI_VK_SLICES");
+    const char *compute = getenv("GPUPPETTI_VK_COMPUTE");
     if (json) {
         printf("{\"layer\": %s, \"slices\": ", layer ? "true" : "false");
         if (slices != NULL) {
@@ -188,10 +196,20 @@ static void report(bool json, bool layer, VkPhysicalDevice *physicals, uint32_t 
         } else {
             printf("null");
         }
+        printf(", \"compute\": ");
+        if (compute != NULL) {
+            print_json_string(compute);
+        } else {
+            printf("null");
+        }
         printf(", \"devices\": [");
     } else {
-        printf("slice layer (VK_LAYER_GPUPPETTI_slice): %s (GPUPPETTI_VK_SLICES=%s)\n", layer ? "loaded" : "not loaded",
+        printf("slice layer (VK_LAYER_GPUPPETTI_slice): %s (GPUPPETTI_VK_SLICES=%s", layer ? "loaded" : "not loaded",
                slices != NULL ? slices : "unset");
+        if (compute != NULL) {
+            printf(", GPUPPETTI_VK_COMPUTE=%s", compute);
+        }
+        printf(")\n");
     }
     for (uint32_t d = 0; d < count; d++) {
         struct device_view view;
@@ -412,9 +430,125 @@ static int bench(const struct options *options, VkPhysicalDevice physical)
     return 0;
 }
 
+/* -- GPU time: batches of work, to see a compute share hold ------------------------------------------------- */
+
+#define MAX_IN_FLIGHT 8
+
+static int busy(const struct options *options, VkPhysicalDevice physical)
+{
+    VkDevice device = make_device(physical);
+    if (device == VK_NULL_HANDLE) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkCreateDevice failed\n");
+        return 1;
+    }
+    VkQueue queue;
+    vkGetDeviceQueue(device, 0, 0, &queue);
+    VkDeviceSize size = (VkDeviceSize)options->fill_mib << 20;
+    VkBufferCreateInfo buffer_info = {.sType = VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, .size = size,
+                                      .usage = VK_BUFFER_USAGE_TRANSFER_DST_BIT};
+    VkBuffer buffer;
+    if (vkCreateBuffer(device, &buffer_info, NULL, &buffer) != VK_SUCCESS) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkCreateBuffer failed\n");
+        return 1;
+    }
+    VkMemoryRequirements needs;
+    vkGetBufferMemoryRequirements(device, buffer, &needs);
+    VkPhysicalDeviceMemoryProperties memory_properties;
+    vkGetPhysicalDeviceMemoryProperties(physical, &memory_properties);
+    uint32_t type = 0;
+    while (type < memory_properties.memoryTypeCount && !(needs.memoryTypeBits & (1u << type))) {
+        type++;
+    }
+    VkMemoryAllocateInfo allocation = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
+                                       .allocationSize = needs.size, .memoryTypeIndex = type};
+    VkDeviceMemory memory;
+    VkResult result = vkAllocateMemory(device, &allocation, NULL, &memory);
+    if (result != VK_SUCCESS) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkAllocateMemory of %lld MiB: %s\n", (long long)options->fill_mib,
+                result_name(result));
+        return 1;
+    }
+    vkBindBufferMemory(device, buffer, memory, 0);
+    VkCommandPoolCreateInfo pool_info = {.sType = VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, .queueFamilyIndex = 0};
+    VkCommandPool pool;
+    vkCreateCommandPool(device, &pool_info, NULL, &pool);
+    int slots = options->in_flight;
+    VkCommandBufferAllocateInfo command_info = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+                                                .commandPool = pool, .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+                                                .commandBufferCount = (uint32_t)slots};
+    VkCommandBuffer commands[MAX_IN_FLIGHT];
+    vkAllocateCommandBuffers(device, &command_info, commands);
+    /* Each slot's batch writes a timestamp before and after its fill, in queries of its own. */
+    VkQueryPoolCreateInfo query_info = {.sType = VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+                                        .queryType = VK_QUERY_TYPE_TIMESTAMP, .queryCount = 2 * (uint32_t)slots};
+    VkQueryPool queries;
+    if (vkCreateQueryPool(device, &query_info, NULL, &queries) != VK_SUCCESS) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkCreateQueryPool failed\n");
+        return 1;
+    }
+    VkPhysicalDeviceProperties properties;
+    vkGetPhysicalDeviceProperties(physical, &properties);
+    for (int i = 0; i < slots; i++) {
+        VkCommandBufferBeginInfo begin = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
+        vkBeginCommandBuffer(commands[i], &begin);
+        vkCmdResetQueryPool(commands[i], queries, 2 * (uint32_t)i, 2);
+        vkCmdWriteTimestamp(commands[i], VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, queries, 2 * (uint32_t)i);
+        vkCmdFillBuffer(commands[i], buffer, 0, VK_WHOLE_SIZE, 0x5a5a5a5a);
+        vkCmdWriteTimestamp(commands[i], VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, queries, 2 * (uint32_t)i + 1);
+        vkEndCommandBuffer(commands[i]);
+    }
+
+    VkFence fences[MAX_IN_FLIGHT];
+    bool pending[MAX_IN_FLIGHT] = {false};
+    VkFenceCreateInfo fence_info = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+    for (int i = 0; i < options->in_flight; i++) {
+        vkCreateFence(device, &fence_info, NULL, &fences[i]);
+    }
+    double began = now_ns(), until = began + (double)options->busy_seconds * 1e9;
+    double gpu_ns = 0;
+    long done = 0;
+    int slot = 0;
+    while (now_ns() < until) {
+        if (pending[slot]) {
+            vkWaitForFences(device, 1, &fences[slot], VK_TRUE, UINT64_MAX);
+            vkResetFences(device, 1, &fences[slot]);
+            uint64_t stamps[2];
+            if (vkGetQueryPoolResults(device, queries, 2 * (uint32_t)slot, 2, sizeof stamps, stamps, sizeof stamps[0],
+                                      VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT) == VK_SUCCESS &&
+                stamps[1] > stamps[0]) {
+                gpu_ns += (double)(stamps[1] - stamps[0]) * (double)properties.limits.timestampPeriod;
+            }
+            done++;
+        }
+        VkSubmitInfo submit = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1,
+                               .pCommandBuffers = &commands[slot]};
+        result = vkQueueSubmit(queue, 1, &submit, fences[slot]);
+        if (result != VK_SUCCESS) {
+            fprintf(stderr, "gpuppetti-vkinfo: vkQueueSubmit: %s\n", result_name(result));
+            return 1;
+        }
+        pending[slot] = true;
+        slot = (slot + 1) % options->in_flight;
+    }
+    double ended = now_ns();
+    vkDeviceWaitIdle(device);
+    printf("{\"busy\": {\"seconds\": %.3f, \"batches\": %ld, \"gpu_seconds\": %.3f, \"fill\": %llu, "
+           "\"in_flight\": %d}}\n", (ended - began) / 1e9, done, gpu_ns / 1e9, (unsigned long long)size,
+           options->in_flight);
+    for (int i = 0; i < options->in_flight; i++) {
+        vkDestroyFence(device, fences[i], NULL);
+    }
+    vkDestroyQueryPool(device, queries, NULL);
+    vkDestroyCommandPool(device, pool, NULL);
+    vkDestroyBuffer(device, buffer, NULL);
+    vkFreeMemory(device, memory, NULL);
+    vkDestroyDevice(device, NULL);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
-    struct options options = {.threads = 1};
+    struct options options = {.threads = 1, .fill_mib = 64, .in_flight = 1};
     for (int i = 1; i < argc; i++) {
         const char *flag = argv[i];
         long value = 0;
@@ -434,6 +568,16 @@ int main(int argc, char **argv)
             i++;
         } else if (i + 1 < argc && strcmp(flag, "--bench") == 0 && number(argv[i + 1], 1, 10000000, &value)) {
             options.bench = value;
+            i++;
+        } else if (i + 1 < argc && strcmp(flag, "--busy") == 0 && number(argv[i + 1], 1, 86400, &value)) {
+            options.busy_seconds = value;
+            i++;
+        } else if (i + 1 < argc && strcmp(flag, "--fill") == 0 && number(argv[i + 1], 1, 1 << 16, &value)) {
+            options.fill_mib = value;
+            i++;
+        } else if (i + 1 < argc && strcmp(flag, "--in-flight") == 0 &&
+                   number(argv[i + 1], 1, MAX_IN_FLIGHT, &value)) {
+            options.in_flight = (int)value;
             i++;
         } else {
             char problem[256];
@@ -461,6 +605,8 @@ int main(int argc, char **argv)
     int code = 0;
     if (options.bench > 0) {
         code = count > 0 ? bench(&options, physicals[0]) : 1;
+    } else if (options.busy_seconds > 0) {
+        code = count > 0 ? busy(&options, physicals[0]) : 1;
     } else {
         report(options.json, layer, physicals, count);
         if (options.allocate_mib > 0) {

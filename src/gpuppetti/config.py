@@ -185,6 +185,9 @@ class Sharing(Strict):
     # Hold each container given a share of a GPU (a replica, a partition, a consumable share) to its memory through
     # the Vulkan layer. Cooperative: docs/enforced-slices.md says what it does not stop.
     enforce_memory: bool = True
+    # Hold each such container to its share of the GPU's time: a cooperative duty cycle on its Vulkan submits. Off
+    # by default: it can only delay work, never preempt it, and it slows a share that is alone on its GPU.
+    enforce_compute: bool = False
 
 
 PartitionCount = Literal[2, 4, 8, 10, 20, 25, 40, 50]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gpuppetti.fsutil import atomic_write, make_directory
 from gpuppetti.model import ContainerEdits, Mount
-from gpuppetti.sharing.budgets import Budget
+from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,14 @@ def _holds_header(path: str) -> bool:
 
 def slices_env(budgets: Sequence[Budget]) -> str:
     return ",".join(f"{budget.selector}={budget.memory}" for budget in budgets)
+
+
+def compute_env(budgets: Sequence[Budget]) -> str | None:
+    """GPUPPETTI_VK_COMPUTE: each slice's share of its GPU's time, in the order of GPUPPETTI_VK_SLICES; None where
+    no slice is throttled."""
+    if all(budget.compute >= WHOLE_COMPUTE for budget in budgets):
+        return None
+    return ",".join(str(budget.compute) for budget in budgets)
 
 
 def memories_of(env_value: str) -> list[int]:
@@ -199,6 +207,8 @@ class LayerDir:
             "GPUPPETTI_VK_ACCOUNTING": CONTAINER_ACCOUNTING,
             "GPUPPETTI_LIMITS": "vulkan",
         })
+        if (compute := compute_env(budgets)) is not None:
+            edits.env["GPUPPETTI_VK_COMPUTE"] = compute
         edits.add_mount(Mount(CONTAINER_MANIFEST, str(self.path / MANIFEST), read_only=True))
         edits.add_mount(Mount(CONTAINER_LIBRARY, str(self.path / LIBRARY), read_only=True))
         edits.add_mount(Mount(CONTAINER_PROBE, str(self.path / PROBE), read_only=True))

@@ -1,6 +1,6 @@
 """Enforced slices on the real node: pods whose containers run a Vulkan workload on lavapipe, given a slice by the
 device plugin (Allocate's mounts) or by the DRA driver (a CDI spec that containerd applies), obtain exactly the
-slice's memory."""
+slice's memory, and where the config turns it on, their share of the GPU's time."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def vulkan_image(realnode: RealNode) -> str:
 
 
 def workload(name: str, image: str, limits: dict[str, Any] | None = None,
-             claims: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+             claims: list[tuple[str, str]] | None = None, args: tuple[str, ...] = ("--json", "--allocate", "16"),
+             ) -> dict[str, Any]:
     container: dict[str, Any] = {"name": "vk", "image": image, "imagePullPolicy": "Never",
-                                 "command": ["/usr/local/bin/gpuppetti-vkinfo", "--json", "--allocate", "16"]}
+                                 "command": ["/usr/local/bin/gpuppetti-vkinfo", *args]}
     spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
     if limits:
         container["resources"] = {"limits": limits}
@@ -93,3 +94,19 @@ def test_a_consumable_claims_memory_through_containerd_cdi(
     assert consumer["devices"][0]["heaps"][0]["size"] == 384 * MIB
     assert consumer["allocation"]["obtained"] == 384 * MIB
     assert os.path.isdir(node.dir / "vulkan" / "allocations")
+
+
+def test_device_plugin_compute_shares_hold_their_containers(node: RealNode, workdir: Path, vulkan_image: str) -> None:
+    path = write_config(workdir, "plugin.yaml", PLUGIN + "  enforceCompute: true\n")
+    daemon = node.gpuppetti("gpuppetti-plugin", "plugin", "--config", str(path), "--http-address", "127.0.0.1:0")
+    daemon.wait_ready()
+    node.wait_allocatable("apple.com/gpu", 4)
+    # One after the other, so that neither slows the other on the node's CPUs (lavapipe is the GPU here).
+    busy = ("--busy", "3", "--fill", "32")
+    node.apply([workload("whole-time", vulkan_image, limits={"apple.com/gpu": 4}, args=busy)])
+    whole = report(node, "whole-time")["busy"]
+    node.apply([workload("quarter-time", vulkan_image, limits={"apple.com/gpu": 1}, args=busy)])
+    quarter = report(node, "quarter-time")["busy"]
+    # Four replicas of four are the GPU's whole time (1000 thousandths: not throttled); one is a quarter of it.
+    assert whole["gpu_seconds"] / whole["seconds"] >= 0.6, whole
+    assert 0.1 <= quarter["gpu_seconds"] / quarter["seconds"] <= 0.4, quarter

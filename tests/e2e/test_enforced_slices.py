@@ -97,6 +97,37 @@ async def test_enforcement_off_in_the_config(
     assert "GPUPPETTI_VK_SLICES" not in shared.response.envs
 
 
+async def test_compute_shares_when_the_config_turns_them_on(
+    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+) -> None:
+    start_plugin(SMALL + "  enforceCompute: true\n")
+    await kubelet.wait_registered("apple.com/gpu")
+    [one] = await kubelet.admit(Pod.simple("one", "apple.com/gpu", 1))
+    [two] = await kubelet.admit(Pod.simple("two", "apple.com/gpu", 2))
+    assert one.response.envs["GPUPPETTI_VK_COMPUTE"] == "250", "a quarter of the GPU's time, in thousandths"
+    assert two.response.envs["GPUPPETTI_VK_COMPUTE"] == "250,250", "one share per slice, in the slices' order"
+    assert two.response.envs["GPUPPETTI_VK_SLICES"] == f"any={512 * MIB},any={512 * MIB}"
+
+
+async def test_compute_shares_without_memory_budgets(
+    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+) -> None:
+    start_plugin(SMALL + "  enforceMemory: false\n  enforceCompute: true\n")
+    await kubelet.wait_registered("apple.com/gpu")
+    [one] = await kubelet.admit(Pod.simple("one", "apple.com/gpu", 1))
+    assert one.response.envs["GPUPPETTI_VK_SLICES"] == "any=0", "the memory is not limited"
+    assert one.response.envs["GPUPPETTI_VK_COMPUTE"] == "250"
+
+
+async def test_no_compute_shares_by_default(
+    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+) -> None:
+    start_plugin(SMALL)
+    await kubelet.wait_registered("apple.com/gpu")
+    [one] = await kubelet.admit(Pod.simple("one", "apple.com/gpu", 1))
+    assert "GPUPPETTI_VK_COMPUTE" not in one.response.envs
+
+
 async def test_directories_of_units_the_kubelet_freed_go(tmp_path: Path) -> None:
     base = short_tmpdir()
     socket = base / "pod-resources" / "kubelet.sock"
@@ -162,6 +193,27 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     assert int.from_bytes(acct.read_bytes()[24:32], "little") == 123
     assert (await cluster.kubelet.unprepare([claim], [DRIVER]))[DRIVER][claim.uid].error == ""
     assert layer.existing() == {}, "unprepared: its directory goes"
+
+
+@pytest.mark.parametrize(("slicing", "result", "compute"), [
+    # A consumable share's part of the GPU's cores; where it names none, the part of the GPU it takes.
+    ("consumable", {"device": "gpu-apple-0", "shareID": "a1b2c3", "consumedCapacity": {"cores": "10"}}, "250"),
+    ("consumable", {"device": "gpu-apple-0", "shareID": "a1b2c3", "consumedCapacity": {"memory": "512Mi"}}, "250"),
+    ("partitions", {"device": "gpu-apple-0-p4-1"}, "250"),
+    ("whole", {"device": "gpu-apple-0"}, None),
+])
+async def test_the_dra_driver_puts_the_claims_compute_share_in_its_cdi_spec(
+    cluster: Cluster, slicing: str, result: dict[str, Any], compute: str | None
+) -> None:
+    cluster.start_driver(DRA_SMALL + f"sharing: {{enforceCompute: true}}\ndra: {{slicing: {slicing}, "
+                         "partitions: [4]}\n")
+    await cluster.kubelet.wait_registered(DRIVER)
+    await cluster.wait_slices(lambda s: len(s) >= 1)
+    claim = await cluster.allocate("timed", [{"request": "gpu", **result}])
+    answers = (await cluster.kubelet.prepare([claim]))[DRIVER]
+    assert not answers[claim.uid].error, answers[claim.uid].error
+    [device] = _spec(cluster, claim.uid)["devices"]
+    assert _spec_edits(device).env.get("GPUPPETTI_VK_COMPUTE") == compute
 
 
 async def test_a_consumable_claims_container_obtains_its_memory(cluster: Cluster) -> None:

@@ -171,3 +171,37 @@ def test_the_manifest_is_what_the_loader_reads(tmp_path: Path) -> None:
     assert layer["functions"] == {"vkNegotiateLoaderLayerInterfaceVersion": "vkNegotiateLoaderLayerInterfaceVersion"}
     # An implicit layer must name how to turn it off.
     assert layer["disable_environment"] == {"GPUPPETTI_VK_DISABLE": "1"}
+
+
+async def gpu_time(sandbox: PodmanSandbox, layer: LayerDir, compute: int, in_flight: int) -> float:
+    """The part of the wall time the container's batches kept the GPU busy (from timestamps around each)."""
+    name = f"t-{secrets.token_hex(4)}"
+    layer.create(name, [SLICE])
+    edits = layer.edits(name, [Budget(SIMULATED, SLICE, compute)])
+    assert edits.env.get("GPUPPETTI_VK_COMPUTE") == (str(compute) if compute < 1000 else None)
+    [report] = await vkinfo(sandbox, edits, f"gpuppetti-vkinfo --busy 2 --fill 32 --in-flight {in_flight}")
+    busy = report["busy"]
+    assert busy["batches"] >= 10, "too little work to judge a share by"
+    share: float = busy["gpu_seconds"] / busy["seconds"]
+    return share
+
+
+@pytest.mark.parametrize("in_flight", [1, 3])
+async def test_a_compute_share_holds_the_container_to_its_part_of_the_gpus_time(
+        sandbox: PodmanSandbox, layer: LayerDir, in_flight: int) -> None:
+    # Batches of buffer fills on lavapipe, with the share and without it, one after the other in this run: a
+    # quarter share keeps the GPU busy about a quarter of the time, however many batches the workload keeps queued.
+    # (How close it comes is a figure of make bench; here, that it holds at all.)
+    free = await gpu_time(sandbox, layer, 1000, in_flight)
+    quarter = await gpu_time(sandbox, layer, 250, in_flight)
+    assert free >= 0.6, "unthrottled, the workload keeps the GPU busy"
+    assert 0.1 <= quarter <= 0.4, (free, quarter)
+
+
+async def test_a_compute_share_that_does_not_parse_throttles_nothing(sandbox: PodmanSandbox,
+                                                                     layer: LayerDir) -> None:
+    edits = allocation(layer, [SLICE])
+    free = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --busy 2 --fill 32")
+    edits.env["GPUPPETTI_VK_COMPUTE"] = "250,250"  # two shares for one slice
+    mismatched = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --busy 2 --fill 32")
+    assert mismatched[0]["busy"]["batches"] >= 0.7 * free[0]["busy"]["batches"]

@@ -23,7 +23,7 @@ from gpuppetti.deviceplugin import cdispec
 from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.metrics import Metrics
 from gpuppetti.model import ContainerEdits, Health
-from gpuppetti.sharing.budgets import unit_budgets
+from gpuppetti.sharing.budgets import Enforce, unit_budgets
 from gpuppetti.sharing.edits import container_edits
 from gpuppetti.sharing.policy import preferred_allocation
 from gpuppetti.sharing.replicas import Unit
@@ -272,9 +272,11 @@ class DevicePluginService:
     async def _layer_edits(self, snapshot: Snapshot, units: Sequence[Unit]) -> ContainerEdits | None:
         """The Vulkan layer's edits for a container given shares of a GPU; None where nothing is enforced."""
         enforcer = self._enforcer
-        if enforcer is None or not enforcer.available or not snapshot.config.sharing.enforce_memory:
+        sharing = snapshot.config.sharing
+        enforce = Enforce(sharing.enforce_memory, sharing.enforce_compute)
+        if enforcer is None or not enforcer.available or not enforce:
             return None
-        budgets = unit_budgets(units, snapshot.gpus)
+        budgets = unit_budgets(units, snapshot.gpus, enforce)
         if not budgets:
             return None
         return await enforcer.allocate([unit.id for unit in units], budgets)

@@ -27,7 +27,7 @@ from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kube import ApiError, NotFound
 from gpuppetti.kubeobjects import ResourceClaim
 from gpuppetti.model import ContainerEdits, Health
-from gpuppetti.sharing.budgets import share_budgets
+from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 from gpuppetti.syntax import DNS_LABEL, UID, is_dns_subdomain
@@ -147,7 +147,9 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
         settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
         cdi_name = f"claim-{claim.uid}-{request}"
         edits = claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)
-        budgets = share_budgets(shares) if layer is not None and snapshot.config.sharing.enforce_memory else []
+        node_sharing = snapshot.config.sharing
+        enforce = Enforce(node_sharing.enforce_memory, node_sharing.enforce_compute)
+        budgets = share_budgets(shares, enforce) if layer is not None and enforce else []
         if budgets and layer is not None:
             # Every container of the claim mounts the request's one directory: they share its budget.
             allocation_id = layer_allocation(claim.uid, request)
