@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -79,6 +80,39 @@ def atomic_write(path: Path | str, data: bytes, mode: int = 0o644, durable: bool
         raise
     if durable:
         sync_directory(Path(directory))
+
+
+def create_file(path: str, data: bytes, mode: int, size: int = 0) -> None:
+    """Create ``path`` afresh (whatever sat at that name, a planted link included, is removed, never followed):
+    ``data``, then zeros up to ``size``, with ``mode`` whatever the umask. Not atomic: for files nobody reads until
+    the caller has answered."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+        if size:
+            os.ftruncate(fd, size)
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def read_untrusted(path: str, limit: int) -> bytes | None:
+    """The first ``limit`` bytes of ``path``, in a directory others can write: None unless it is a regular file
+    (never through a link, never blocking on a FIFO)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.pread(fd, limit, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def remove_file(path: Path) -> bool:

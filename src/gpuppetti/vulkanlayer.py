@@ -10,7 +10,6 @@ probe, a read-write mount of its allocation directory, and the env that names it
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.fsutil import atomic_write, make_directory
+from gpuppetti.fsutil import atomic_write, create_file, make_directory, read_untrusted
 from gpuppetti.model import ContainerEdits, Mount
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
 
@@ -32,6 +31,9 @@ LIBRARY = "libVkLayer_gpuppetti.so"
 PROBE = "gpuppetti-vkinfo"
 MANIFEST = "VkLayer_gpuppetti.json"
 ALLOCATIONS = "allocations"
+# In a device plugin allocation's directory: the units it was made for, one per line.
+UNITS = "units"
+UNITS_LIMIT = 1 << 20
 # Where the built layer is, inside the package.
 BUILT = Path(__file__).resolve().parent / "_native"
 
@@ -78,33 +80,9 @@ def _header(budget: int) -> bytes:
     return ACCT_MAGIC + struct.pack("<IIq", ACCT_VERSION, ACCT_SLOTS, budget)
 
 
-def accounting_file(budget: int) -> bytes:
-    header = _header(budget)
-    return header + bytes(ACCT_FILE_SIZE - len(header))
-
-
-def _write_new(path: str, data: bytes, size: int, mode: int, replace: bool = False) -> None:
-    """Create ``path`` (never through a link), ``size`` bytes long (zeros after ``data``), with ``mode``."""
-    if replace:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.fchmod(fd, mode)
-        if size:
-            os.ftruncate(fd, size)
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
-
-
 def _holds_header(path: str) -> bool:
     """Whether ``path`` is an accounting file that was written whole (a crash can leave one created but empty)."""
-    try:
-        with open(path, "rb") as file:
-            return file.read(len(ACCT_MAGIC)) == ACCT_MAGIC
-    except FileNotFoundError:
-        return False
+    return read_untrusted(path, len(ACCT_MAGIC)) == ACCT_MAGIC
 
 
 def slices_env(budgets: Sequence[Budget]) -> str:
@@ -172,11 +150,10 @@ class LayerDir:
             path = os.path.join(directory, f"slice-{index}.acct")
             if not fresh and _holds_header(path):
                 continue  # kept: running containers count in it
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            _write_new(path, _header(memory), ACCT_FILE_SIZE, 0o666)  # any user a container runs as counts in it
+            # Any user a container runs as counts in it.
+            create_file(path, _header(memory), 0o666, ACCT_FILE_SIZE)
         if units:
-            _write_new(os.path.join(directory, "units"), ("\n".join(units) + "\n").encode(), 0, 0o644, replace=True)
+            create_file(os.path.join(directory, UNITS), ("\n".join(units) + "\n").encode(), 0o644)
         return Path(directory)
 
     def remove(self, allocation: str) -> None:
@@ -193,11 +170,9 @@ class LayerDir:
         for entry in entries:
             if not entry.is_dir(follow_symlinks=False):
                 continue
-            try:
-                units = (Path(entry.path) / "units").read_text().split()
-            except OSError:
-                units = []
-            found[entry.name] = units
+            # The container that has the directory can write in it: read what is there with care.
+            units = read_untrusted(os.path.join(entry.path, UNITS), UNITS_LIMIT) or b""
+            found[entry.name] = units.decode(errors="replace").split()
         return found
 
     def edits(self, allocation: str, budgets: Sequence[Budget]) -> ContainerEdits:

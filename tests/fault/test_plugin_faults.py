@@ -21,7 +21,9 @@ import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from gpuppetti.kubelet.emulator import KubeletEmulator
+from gpuppetti.deviceplugin.enforcement import allocation_id
+from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
+from gpuppetti.vulkanlayer import BUILT, LIBRARY
 from tests.helpers import TWO_M3_MAX, PluginProcess
 
 pytestmark = pytest.mark.fault
@@ -317,6 +319,46 @@ async def test_a_slow_or_huge_host_agent_costs_neither_registration_nor_memory(
         await plugin.wait_for_log("serving the config's virtio facts until it does", timeout=20)
         assert _rss_mib(plugin.process.pid) < 150, "the answer is not read whole"
         assert plugin.process.poll() is None
+
+
+# -- 17. what a container can plant ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not (BUILT / LIBRARY).exists(), reason="the Vulkan layer is not built here (make native: needs "
+                    "a C compiler and libvulkan-dev)")
+async def test_what_a_container_plants_in_its_layer_directory_is_never_followed(
+    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path, tmp_path: Path
+) -> None:
+    # A container has its allocation's directory read-write: it can put a FIFO, or a link to one or to an endless
+    # file, where the plugin reads the allocation's units at start, and a link where it writes an accounting file.
+    allocations = plugin_dir.parent / "vulkan" / "allocations"
+    allocations.mkdir(parents=True)
+    for name in ("dp-fifo", "dp-link-to-fifo", "dp-endless", "dp-planted"):
+        (allocations / name).mkdir()
+    os.mkfifo(allocations / "dp-fifo" / "units")
+    os.mkfifo(tmp_path / "fifo")
+    (allocations / "dp-link-to-fifo" / "units").symlink_to(tmp_path / "fifo")
+    (allocations / "dp-endless" / "units").symlink_to("/dev/zero")
+    victim = tmp_path / "victim"
+    victim.write_text("not the plugin's\n")
+    plugin = start_plugin(TWO_M3_MAX)
+    await kubelet.wait_registered(APPLE, timeout=15)
+    await plugin.wait_for_log("slices are enforced through the Vulkan layer")
+    assert not {"dp-fifo", "dp-link-to-fifo", "dp-endless", "dp-planted"} & {p.name for p in allocations.iterdir()}
+
+    # An allocation made again where its container had planted links: replaced, never written through.
+    [first] = await kubelet.admit(Pod.simple("first", APPLE, 1))
+    directory = allocations / allocation_id(first.device_ids)
+    (directory / "slice-0.acct").unlink()
+    (directory / "slice-0.acct").symlink_to(victim)
+    (directory / "units").unlink()
+    (directory / "units").symlink_to(victim)
+    kubelet.release("first")
+    [again] = await kubelet.admit(Pod.simple("again", APPLE, 1))
+    assert again.device_ids == first.device_ids
+    assert victim.read_text() == "not the plugin's\n"
+    assert not (directory / "slice-0.acct").is_symlink() and not (directory / "units").is_symlink()
+    assert plugin.process.poll() is None
 
 
 # -- 18. Ctrl-C --------------------------------------------------------------------------------------------------

@@ -133,6 +133,7 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
     cdi_devices: list[tuple[str, ContainerEdits]] = []
     prepared: list[PreparedDevice] = []
     allocations: list[tuple[str, list[int]]] = []
+    enforce = Enforce(snapshot.config.sharing.enforce_memory, snapshot.config.sharing.enforce_compute)
     for request, shares in by_request.items():
         try:
             config = opaque.config_for_request(allocation.devices.config, driver, request)
@@ -147,8 +148,6 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
         settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
         cdi_name = f"claim-{claim.uid}-{request}"
         edits = claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)
-        node_sharing = snapshot.config.sharing
-        enforce = Enforce(node_sharing.enforce_memory, node_sharing.enforce_compute)
         budgets = share_budgets(shares, enforce) if layer is not None and enforce else []
         if budgets and layer is not None:
             # Every container of the claim mounts the request's one directory: they share its budget.
