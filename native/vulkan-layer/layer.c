@@ -1016,6 +1016,14 @@ static PFN_vkVoidFunction device_function(const char *name)
     HOOK(DestroyDevice);
     HOOK(AllocateMemory);
     HOOK(FreeMemory);
+#undef HOOK
+    return NULL;
+}
+
+/* Only a device held to a compute share has its submits go through the layer; any other's go straight down. */
+static PFN_vkVoidFunction submit_function(const char *name)
+{
+#define HOOK(fn) if (strcmp(name, "vk" #fn) == 0) return (PFN_vkVoidFunction)layer_##fn
     HOOK(QueueSubmit);
     HOOK(QueueSubmit2);
     HOOK(QueueSubmit2KHR);
@@ -1049,14 +1057,18 @@ static PFN_vkVoidFunction instance_function(const char *name)
 
 static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetDeviceProcAddr(VkDevice handle, const char *name)
 {
-    struct device *device = device_of(handle);
-    PFN_vkVoidFunction next = device != NULL ? device->gdpa(handle, name) : NULL;
     PFN_vkVoidFunction own = device_function(name);
-    /* A function the layers below do not have (vkQueueSubmit2 on a device without it) is not offered either. */
-    if (own != NULL && (next != NULL || device == NULL)) {
+    if (own != NULL) {
         return own;
     }
-    return next;
+    struct device *device = device_of(handle);
+    if (device == NULL) {
+        return NULL;
+    }
+    PFN_vkVoidFunction next = device->gdpa(handle, name);
+    /* A function the layers below do not have (vkQueueSubmit2 on a device without it) is not offered either. */
+    own = device->duty != NULL && next != NULL ? submit_function(name) : NULL;
+    return own != NULL ? own : next;
 }
 
 static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetInstanceProcAddr(VkInstance handle, const char *name)
