@@ -14,6 +14,7 @@
 
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define ACCT_MAGIC "GPPTVK01"
@@ -39,6 +40,8 @@ struct acct_file {
 };
 
 _Static_assert(sizeof(struct acct_file) <= ACCT_FILE_SIZE, "the accounting layout outgrew its file");
+/* src/gpuppetti/vulkanlayer.py clears it there when it keeps a file across a restart (or a reboot). */
+_Static_assert(offsetof(struct acct_file, not_before_ns) == 34976, "the daemons know not_before_ns's offset");
 
 struct acct {
     struct acct_file *file; /* the shared mapping; a private one where no file could be used */

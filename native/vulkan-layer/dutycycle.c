@@ -19,6 +19,11 @@ __asm__(".symver pthread_create,pthread_create@GLIBC_2.17");
 __asm__(".symver pthread_join,pthread_join@GLIBC_2.17");
 #endif
 
+/* The most a slice waits before a submit. A longer wait is not a debt the slice ran up but a time that no longer
+ * means anything: written before a reboot (CLOCK_MONOTONIC starts again), or charged for a batch whose end was seen
+ * late (a process stopped with SIGSTOP). */
+#define MAX_WAIT_NS 10000000000LL
+
 /* Batches in flight that are timed; one submitted while all are in flight is not timed (and so not charged). */
 #define RING 64
 #define QUEUES 16
@@ -153,9 +158,15 @@ struct duty *duty_create(VkDevice device, const struct duty_calls *calls, struct
 void duty_wait(struct duty *duty)
 {
     for (;;) {
-        int64_t wait = atomic_load(not_before(duty)) - duty_now();
+        int64_t now = duty_now();
+        int64_t until = atomic_load(not_before(duty));
+        int64_t wait = until - now;
         if (wait <= 0) {
             return;
+        }
+        if (wait > MAX_WAIT_NS) {
+            atomic_compare_exchange_strong(not_before(duty), &until, now + MAX_WAIT_NS);
+            continue;
         }
         /* In steps of at most a second: another process of the slice may move the time while this one sleeps. */
         if (wait > 1000000000) {

@@ -5,8 +5,8 @@
  *
  * After each batch the layer submits a fence of its own; a thread per device waits for it, takes the batch's GPU
  * time as the time from its start (its submit, or the end of the batch before it on that queue) to its end, and
- * pushes the slice's next allowed submit out by that time divided by the share. A submit waits for that time; it is
- * never refused, and work already queued is never stopped: there is no preemption. The time is kept in the slice's
+ * pushes the slice's next allowed submit out by that time divided by the share. A submit waits for that time (10 s
+ * at the most); it is never refused, and work already queued is never stopped: there is no preemption. The time is kept in the slice's
  * accounting file, so every process of a container (and every container of a DRA claim) shares one duty cycle.
  */
 #ifndef GPUPPETTI_DUTYCYCLE_H

@@ -49,6 +49,8 @@ ACCT_MAGIC = b"GPPTVK01"
 ACCT_VERSION = 1
 ACCT_SLOTS = 256
 ACCT_FILE_SIZE = 36864
+# Where the compute duty cycle keeps the slice's next allowed submit (CLOCK_MONOTONIC ns; accounting.h).
+ACCT_NOT_BEFORE_OFFSET = 34976
 
 # An allocation's directory name: it is built from unit ids and claim UIDs, and must stay one path component.
 _ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -83,6 +85,19 @@ def _header(budget: int) -> bytes:
 def _holds_header(path: str) -> bool:
     """Whether ``path`` is an accounting file that was written whole (a crash can leave one created but empty)."""
     return read_untrusted(path, len(ACCT_MAGIC)) == ACCT_MAGIC
+
+
+def _clear_not_before(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, bytes(8), ACCT_NOT_BEFORE_OFFSET)
+    except OSError:
+        pass  # swapped for something else since it was read: the layer's own bound on a wait still holds
+    finally:
+        os.close(fd)
 
 
 def slices_env(budgets: Sequence[Budget]) -> str:
@@ -149,7 +164,10 @@ class LayerDir:
         for index, memory in enumerate(memories):
             path = os.path.join(directory, f"slice-{index}.acct")
             if not fresh and _holds_header(path):
-                continue  # kept: running containers count in it
+                # Kept: running containers count in it. But the time before which the slice may not submit
+                # again is from a clock that a reboot starts again: forgiven.
+                _clear_not_before(path)
+                continue
             # Any user a container runs as counts in it.
             create_file(path, _header(memory), 0o666, ACCT_FILE_SIZE)
         if units:

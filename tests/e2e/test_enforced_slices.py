@@ -18,7 +18,7 @@ from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.model import ContainerEdits, DeviceNode, Mount
 from gpuppetti.sandbox import PodmanSandbox
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import BUILT, LIBRARY, LayerDir
+from gpuppetti.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, LayerDir
 from tests.dra_support import DRIVER, Cluster
 from tests.e2e.test_vulkan_layer import SIMULATED, vkinfo, why_not_here
 from tests.helpers import PluginProcess, short_tmpdir
@@ -184,13 +184,18 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     assert {m.container_path for m in edits.mounts} == LAYER_MOUNTS
     assert set(layer.existing()) == {f"dra-{claim.uid}-gpu"}
     acct = layer.allocations / f"dra-{claim.uid}-gpu" / "slice-0.acct"
-    # A driver killed and started again keeps what running containers counted.
-    acct.write_bytes(acct.read_bytes()[:24] + (123).to_bytes(8, "little") + acct.read_bytes()[32:])
+    # A driver killed and started again keeps what running containers counted, and forgets the time before which
+    # the slice may not submit (from a clock that a reboot would have started again).
+    data = bytearray(acct.read_bytes())
+    data[24:32] = (123).to_bytes(8, "little")
+    data[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] = (10**18).to_bytes(8, "little")
+    acct.write_bytes(bytes(data))
     driver.process.send_signal(signal.SIGKILL)
     driver.process.wait()
     cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
     await cluster.kubelet.wait_registered(DRIVER, count=2)
     assert int.from_bytes(acct.read_bytes()[24:32], "little") == 123
+    assert acct.read_bytes()[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] == bytes(8)
     assert (await cluster.kubelet.unprepare([claim], [DRIVER]))[DRIVER][claim.uid].error == ""
     assert layer.existing() == {}, "unprepared: its directory goes"
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 from gpuppetti.model import ContainerEdits, Gpu, Vendor
 from gpuppetti.sandbox import VULKAN_IMAGE, PodmanSandbox, podman_flags, vulkan_icd
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir, manifest
+from gpuppetti.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, PROBE, LayerDir, manifest
 
 pytestmark = pytest.mark.e2e
 
@@ -205,3 +206,18 @@ async def test_a_compute_share_that_does_not_parse_throttles_nothing(sandbox: Po
     edits.env["GPUPPETTI_VK_COMPUTE"] = "250,250"  # two shares for one slice
     mismatched = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --busy 2 --fill 32")
     assert mismatched[0]["busy"]["batches"] >= 0.7 * free[0]["busy"]["batches"]
+
+
+async def test_a_wait_from_before_a_reboot_holds_a_slice_ten_seconds_at_most(sandbox: PodmanSandbox,
+                                                                              layer: LayerDir) -> None:
+    name = f"t-{secrets.token_hex(4)}"
+    layer.create(name, [SLICE])
+    edits = layer.edits(name, [Budget(SIMULATED, SLICE, 500)])
+    # A next allowed submit written on a clock that has since started again: days away on this one.
+    with (layer.allocations / name / "slice-0.acct").open("r+b") as acct:
+        acct.seek(ACCT_NOT_BEFORE_OFFSET)
+        acct.write((time.clock_gettime_ns(time.CLOCK_MONOTONIC) + 86400 * 10**9).to_bytes(8, "little"))
+    [report] = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --busy 14 --fill 32")
+    busy = report["busy"]
+    assert busy["seconds"] < 20
+    assert busy["gpu_seconds"] >= 0.5, "after at most 10 s, the slice works at its share"
