@@ -27,7 +27,7 @@ from gpuppetti.runtime import Runtime
 from gpuppetti.sandbox import PodmanSandbox, SandboxError, Seen
 from gpuppetti.sharing.replicas import plan_remarks
 from gpuppetti.tables import Column, Prose, print_table, print_trimmed
-from gpuppetti.vulkanlayer import LayerDir
+from gpuppetti.vulkanlayer import install_layer
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1
@@ -124,8 +124,10 @@ async def run_demo(
         await kubelet.start()
         process.spawn("kubelet-emulator", _until_stopped(kubelet))
         # The Vulkan layer, installed in the demo's own directory: what each container gets mounted from.
-        enforcer = Enforcer(LayerDir(workdir / "vulkan"), workdir / "no-pod-resources.sock")
-        await enforcer.start(set())
+        enforcer = None
+        if (layer := await install_layer(workdir / "vulkan")) is not None:
+            enforcer = Enforcer(layer, workdir / "no-pod-resources.sock")
+            await enforcer.start(set())
         manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND,
                                       enforcer=enforcer)
         await manager.run(process)

@@ -10,6 +10,7 @@ probe, a read-write mount of its allocation directory, and the env that names it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -207,3 +208,17 @@ class LayerDir:
         edits.add_mount(Mount(CONTAINER_PROBE, str(self.path / PROBE), read_only=True))
         edits.add_mount(Mount(CONTAINER_ACCOUNTING, str(self.allocations / allocation), read_only=False))
         return edits
+
+
+async def install_layer(directory: Path | None) -> LayerDir | None:
+    """The installed Vulkan layer, or None (said in the log) where slices cannot be enforced."""
+    if directory is None:
+        return None
+    layer = LayerDir(directory)
+    try:
+        await asyncio.to_thread(layer.install)
+    except LayerUnavailable as exc:
+        log.warning("slices are not enforced: %s", exc)
+        return None
+    log.info("slices are enforced through the Vulkan layer in %s", directory)
+    return layer

@@ -133,6 +133,7 @@ async def test_directories_of_units_the_kubelet_freed_go(tmp_path: Path) -> None
     socket = base / "pod-resources" / "kubelet.sock"
     async with KubeletEmulator(base / "dp", pod_resources=socket) as kubelet:
         layer = LayerDir(tmp_path / "vulkan")
+        layer.install()
         enforcer = Enforcer(layer, socket, grace=0)
         await enforcer.start(set())
         budgets = [Budget(SIMULATED, 512 * MIB)]

@@ -22,7 +22,7 @@ from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
 from gpuppetti.model import ContainerEdits
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import LayerDir, LayerUnavailable
+from gpuppetti.vulkanlayer import LayerDir
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +43,20 @@ def pod_resources_socket(device_plugin_dir: Path) -> Path:
 
 
 class Enforcer:
+    """Allocation directories in an installed layer directory (vulkanlayer.install_layer)."""
+
     def __init__(self, layer: LayerDir, pod_resources: Path, interval: float = CHECK_INTERVAL_S,
                  grace: float = GRACE_S) -> None:
         self.layer = layer
         self.pod_resources = pod_resources
         self.interval = interval
         self.grace = grace
-        self.available = False
-        self.why_not = "not started"
         # Allocation -> (its units, when it was made, monotonic).
         self._allocations: dict[str, tuple[frozenset[str], float]] = {}
         self._said_no_pod_resources = False
 
     async def start(self, advertised: set[str]) -> None:
-        """Install the layer, and forget allocations of units no longer advertised. Never raises: without the
-        layer, containers run unenforced, and the log says so."""
-        try:
-            await asyncio.to_thread(self.layer.install)
-        except LayerUnavailable as exc:
-            self.why_not = str(exc)
-            log.warning("slices are not enforced: %s", exc)
-            return
-        self.available = True
+        """Forget the allocations of units no longer advertised."""
         existing = await asyncio.to_thread(self.layer.existing)
         for allocation, units in existing.items():
             if not allocation.startswith(PREFIX):
@@ -74,7 +66,6 @@ class Enforcer:
                 self._allocations[allocation] = (frozenset(units), time.monotonic() - self.grace)
             else:
                 await asyncio.to_thread(self.layer.remove, allocation)
-        log.info("slices are enforced through the Vulkan layer in %s", self.layer.path)
 
     async def allocate(self, unit_ids: Sequence[str], budgets: Sequence[Budget]) -> ContainerEdits:
         """The allocation's directory, made anew, and the edits that put its container under the layer."""

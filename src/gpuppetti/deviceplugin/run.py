@@ -19,7 +19,7 @@ from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.metrics import Metrics
 from gpuppetti.report import gpu_records
 from gpuppetti.runtime import Runtime, StartupError
-from gpuppetti.vulkanlayer import LayerDir
+from gpuppetti.vulkanlayer import install_layer
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,10 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
     metrics.watch(inventory)
     enforcer = None
-    if options.vulkan_layer_dir is not None:
-        enforcer = Enforcer(LayerDir(options.vulkan_layer_dir), pod_resources_socket(options.device_plugin_dir))
+    if (layer := await install_layer(options.vulkan_layer_dir)) is not None:
+        enforcer = Enforcer(layer, pod_resources_socket(options.device_plugin_dir))
         await enforcer.start({unit.id for plan in inventory.plan.values() for unit in plan.units})
-        if enforcer.available:
-            runtime.spawn("layer-directories", enforcer.keep_in_use())
+        runtime.spawn("layer-directories", enforcer.keep_in_use())
     manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.cdi_dir,
                                   enforcer=enforcer)
 

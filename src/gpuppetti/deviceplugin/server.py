@@ -274,7 +274,7 @@ class DevicePluginService:
         enforcer = self._enforcer
         sharing = snapshot.config.sharing
         enforce = Enforce(sharing.enforce_memory, sharing.enforce_compute)
-        if enforcer is None or not enforcer.available or not enforce:
+        if enforcer is None or not enforce:
             return None
         budgets = unit_budgets(units, snapshot.gpus, enforce)
         if not budgets:

@@ -36,7 +36,7 @@ from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.report import gpu_records
 from gpuppetti.runtime import Runtime, StartupError
-from gpuppetti.vulkanlayer import LayerDir, LayerUnavailable
+from gpuppetti.vulkanlayer import install_layer
 from gpuppetti.watch import Change, watch_directory
 
 log = logging.getLogger(__name__)
@@ -134,20 +134,6 @@ async def _keep_cdi_specs(state: DraState) -> None:
             await backoff.wait()
         else:
             backoff.reset()
-
-
-async def install_layer(directory: Path | None) -> LayerDir | None:
-    """The installed Vulkan layer, or None (said in the log) where slices cannot be enforced."""
-    if directory is None:
-        return None
-    layer = LayerDir(directory)
-    try:
-        await asyncio.to_thread(layer.install)
-    except LayerUnavailable as exc:
-        log.warning("slices are not enforced: %s", exc)
-        return None
-    log.info("slices are enforced through the Vulkan layer in %s", directory)
-    return layer
 
 
 async def run_dra(sources: Sources, options: DraOptions) -> None:
