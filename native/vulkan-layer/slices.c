@@ -136,10 +136,7 @@ const struct slices *slices_get(void)
     if (atomic_compare_exchange_strong(&state, &expected, 1)) {
         struct slices parsed;
         if (slices_parse(getenv("GPUPPETTI_VK_SLICES"), &parsed)) {
-            const char *compute = getenv("GPUPPETTI_VK_COMPUTE");
-            if (compute != NULL) {
-                slices_parse_compute(compute, &parsed);
-            }
+            slices_parse_compute(getenv("GPUPPETTI_VK_COMPUTE"), &parsed);
             const char *directory = getenv("GPUPPETTI_VK_ACCOUNTING");
             for (int i = 0; i < parsed.count; i++) {
                 char path[4096];
