@@ -50,10 +50,6 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     # The config first: a broken one must stop the process before it listens anywhere.
     inventory, monitor, found = await start_inventory(sources)
     metrics = Metrics()
-    http = HttpServer(metrics)
-    if options.http_address:
-        await http.start(options.http_address)
-        runtime.spawn("http", http.serve())
     for name, plan in inventory.plan.items():
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
     metrics.watch(inventory)
@@ -70,8 +66,13 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
             return f"{READY_NOTE}no GPUs found on this node; serving nothing ({'; '.join(looked_at(found.backends))})"
         return manager.waiting_for()
 
+    # Listening only once readiness says what is known: /healthz never answers "discovering" after discovery.
+    http = HttpServer(metrics)
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot)
+    if options.http_address:
+        await http.start(options.http_address)
+        runtime.spawn("http", http.serve())
 
     labelling = options.labelling
     if labelling is not None:
