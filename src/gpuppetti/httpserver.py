@@ -27,7 +27,7 @@ class HttpServer:
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
-        self.readiness: Readiness = lambda: "no resource is being served yet (discovering GPUs)"
+        self.readiness: Readiness = lambda: "starting"
         self.records: Callable[[], list[dict[str, Any]]] = list
         self._server = Server({"/healthz": self._healthz, "/readyz": self._healthz, "/livez": self._livez,
                                "/metrics": self._metrics_page, GPUS_PATH: self._gpus})
