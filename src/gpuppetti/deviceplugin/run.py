@@ -66,7 +66,7 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
             return f"{READY_NOTE}no GPUs found on this node; serving nothing ({'; '.join(looked_at(found.backends))})"
         return manager.waiting_for()
 
-    # Listening only once readiness says what is known: /healthz never answers "discovering" after discovery.
+    # Listening only once readiness is set: /healthz answers from what the plugin knows, never a placeholder.
     http = HttpServer(metrics)
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot)
