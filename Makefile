@@ -34,7 +34,10 @@ demo: $(STAMP) native
 	$(BIN)/gpuppetti demo
 	@echo "(gpuppetti is installed in $(BIN): '. $(BIN)/activate' puts the gpuppetti command on your PATH)"
 
+# The tests start the daemons as hundreds of processes: their modules are compiled once here, not in each of them
+# (where PYTHONDONTWRITEBYTECODE is set, nothing else would keep the compiled modules).
 test: lint typecheck native
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest
 
 unit: $(STAMP) native
