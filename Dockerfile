@@ -11,7 +11,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev make libvulkan-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY src ./src
 COPY native ./native
 ENV GPUPPETTI_REQUIRE_LAYER=1
@@ -24,7 +24,8 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends pci.ids \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /wheels
-RUN python -m pip install --no-cache-dir --no-index /wheels/* && rm -rf /wheels
+RUN python -m pip install --no-cache-dir --no-index /wheels/* && rm -rf /wheels \
+ && python -c 'import sys, gpuppetti.vulkanlayer as v; m = [n for n in (v.LIBRARY, v.PROBE) if not (v.BUILT / n).is_file()]; sys.exit(f"the image lacks the Vulkan layer: {m}" if m else 0)'
 ENV PYTHONUNBUFFERED=1
 EXPOSE 9400
 ENTRYPOINT ["gpuppetti"]

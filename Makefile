@@ -13,7 +13,7 @@ NATIVE_OUT := src/gpuppetti/_native
 NATIVE := $(NATIVE_OUT)/libVkLayer_gpuppetti.so $(NATIVE_OUT)/gpuppetti-vkinfo
 NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native/vulkan-layer/Makefile
 
-.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native
+.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native dist
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,8 +62,16 @@ image:
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py
 
+# What users install: an sdist and a wheel (built from that sdist), each carrying the layer, in dist/.
+dist: $(STAMP)
+	rm -rf dist
+	GPUPPETTI_REQUIRE_LAYER=1 $(BIN)/python -m build --no-isolation --outdir dist .
+
+# Every build output: the venv, caches, the layer (in the package and in its own directory), the package builds.
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache src/*.egg-info $(NATIVE_OUT) build
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache src/*.egg-info $(NATIVE_OUT) \
+		native/vulkan-layer/build build dist
+	find src tests tools bench -name __pycache__ -type d -prune -exec rm -rf {} +
 
 bench: $(STAMP) native
 	PYTHONPATH=. $(BIN)/python bench/run.py --json bench/results.json

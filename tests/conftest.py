@@ -10,6 +10,7 @@ import pytest
 
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from tests.helpers import PluginProcess, short_tmpdir
+from tests.packaging import clean_clone, only, pip_wheel, why_no_build
 
 
 @pytest.fixture
@@ -61,3 +62,16 @@ def start_plugin(plugin_dir: Path, request: pytest.FixtureRequest) -> Iterator[C
 
 # The DRA test bench's fixture (`cluster`).
 pytest_plugins = ["tests.dra_support"]
+
+
+@pytest.fixture(scope="session")
+def clean_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel `pip wheel .` builds from a clean clone of HEAD, the layer required: what the image installs."""
+    reason = why_no_build()
+    if reason is not None:
+        pytest.skip(f"the package cannot be built from a clean clone here: {reason}")
+    base = tmp_path_factory.mktemp("clean-build")
+    source = clean_clone(base / "clone")
+    result = pip_wheel(source, base / "dist")
+    assert result.returncode == 0, f"pip wheel failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+    return only(base / "dist", "gpuppetti-*.whl")

@@ -45,6 +45,26 @@ struct options {
     int in_flight;
 };
 
+static const char help[] =
+    "usage: gpuppetti-vkinfo [--json] [--allocate MIB [--limit MIB] [--threads N] [--hold SECONDS]]\n"
+    "                        [--bench N] [--busy SECONDS [--fill MIB] [--in-flight N]]\n"
+    "\n"
+    "What this process sees of its GPUs through Vulkan (devices, heaps, budgets, whether gpuppetti's layer is\n"
+    "loaded), and what it can obtain.\n"
+    "\n"
+    "  --json              print the report as JSON\n"
+    "  --allocate MIB      allocate MIB-sized chunks of the first device's memory until refused\n"
+    "  --limit MIB         ... and stop once that much is obtained\n"
+    "  --threads N         ... from N threads at once\n"
+    "  --hold SECONDS      ... and keep them that long before exiting\n"
+    "  --bench N           time N vkAllocateMemory and vkFreeMemory calls of 4 KiB (nanoseconds)\n"
+    "  --busy SECONDS      keep the first device busy that long, and print the batches done and their GPU time\n"
+    "  --fill MIB          ... filling a buffer of MIB (default 64)\n"
+    "  --in-flight N       ... with N batches queued at once (default 1)\n"
+    "  -h, --help          show this help\n"
+    "\n"
+    "Exit codes: 0, 1 when Vulkan cannot be used here, 2 for a bad option.\n";
+
 static int usage(const char *problem)
 {
     fprintf(stderr, "gpuppetti-vkinfo: %s (options: --json, --allocate MIB [--limit MIB] [--threads N] "
@@ -552,7 +572,10 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         const char *flag = argv[i];
         long value = 0;
-        if (strcmp(flag, "--json") == 0) {
+        if (strcmp(flag, "--help") == 0 || strcmp(flag, "-h") == 0) {
+            fputs(help, stdout);
+            return 0;
+        } else if (strcmp(flag, "--json") == 0) {
             options.json = true;
         } else if (i + 1 < argc && strcmp(flag, "--allocate") == 0 && number(argv[i + 1], 1, 1 << 20, &value)) {
             options.allocate_mib = value;

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.realnode import IMAGE, KIT, REPO, STATE_DIR, RealNode, why_not
+from tests.packaging import venv_with
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -58,13 +59,14 @@ def workdir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def image(realnode: RealNode) -> str:
-    """The project's own image, packed from the venv running the tests and imported into the node's containerd.
+def image(realnode: RealNode, clean_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The project's image as users get it: the wheel built from a clean clone, installed into a fresh venv as the
+    Dockerfile installs it, packed and imported into the node's containerd.
 
-    No registry is reachable, so the kit's mkimage.py packs the venv (an editable install brings the source tree
-    it points at) with its interpreter and the shared libraries they load.
+    No registry is reachable and no container builder runs here, so the kit's mkimage.py packs that venv with its
+    interpreter and the shared libraries they load, in place of the Dockerfile's base image.
     """
-    venv = Path(sys.prefix)
+    venv = venv_with(clean_wheel, tmp_path_factory.mktemp("image") / "venv")
     entrypoint = f'["{venv / "bin" / "gpuppetti"}"]'
     with tempfile.TemporaryDirectory(prefix="gp-image-") as directory:
         archive = Path(directory) / "gpuppetti.tar"

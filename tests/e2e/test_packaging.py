@@ -1,0 +1,91 @@
+"""What users install carries the Vulkan layer: the wheel `pip wheel .` and the Dockerfile build, and the wheel built
+from the sdist, each from a clean clone of HEAD; and a build that cannot make the layer fails when it is required."""
+
+from __future__ import annotations
+
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.packaging import (
+    NATIVE,
+    clean_clone,
+    members,
+    only,
+    pip_wheel,
+    sdist_then_wheel,
+    venv_with,
+    wheel_tag,
+    why_no_build,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reason = why_no_build()
+    if reason is not None:
+        pytest.skip(f"the package cannot be built from a clean clone here: {reason}")
+    return clean_clone(tmp_path_factory.mktemp("clone") / "gpuppetti")
+
+
+def assert_carries_layer(wheel: Path) -> None:
+    listed = members(wheel)
+    for name in NATIVE:
+        assert name in listed, f"{wheel.name} lacks {name}: {sorted(n for n in listed if '_native' in n)}"
+        assert listed[name].size > 1000
+        assert listed[name].mode & 0o111, f"{name} is not executable in {wheel.name}"
+    # Native code for this platform, but no Python ABI: nothing in the package links libpython.
+    tag = wheel_tag(wheel)
+    assert tag.startswith("py3-none-linux_"), tag
+
+
+def test_pip_wheel_from_a_clean_clone_carries_the_layer(clean_wheel: Path) -> None:
+    assert_carries_layer(clean_wheel)
+
+
+def test_the_layer_links_no_libpython(clean_wheel: Path, tmp_path: Path) -> None:
+    import zipfile
+    with zipfile.ZipFile(clean_wheel) as archive:
+        archive.extractall(tmp_path)
+    for name in NATIVE:
+        needed = subprocess.run(["readelf", "-d", str(tmp_path / name)], capture_output=True, text=True, check=True)
+        assert "NEEDED" in needed.stdout
+        assert "libpython" not in needed.stdout, needed.stdout
+
+
+def test_the_sdist_carries_the_source_and_its_wheel_the_layer(clone: Path, tmp_path: Path) -> None:
+    result = sdist_then_wheel(clone, tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    with tarfile.open(only(tmp_path, "gpuppetti-*.tar.gz")) as sdist:
+        names = sdist.getnames()
+    assert any(name.endswith("native/vulkan-layer/layer.c") for name in names)
+    assert any(name.endswith("native/vulkan-layer/Makefile") for name in names)
+    # Never a built copy: the wheel's layer is compiled from the sdist's source.
+    assert not [name for name in names if name.endswith(".so") or "/_native/" in name]
+    assert_carries_layer(only(tmp_path, "gpuppetti-*.whl"))
+
+
+def test_a_required_layer_that_cannot_be_built_fails_the_build(clone: Path, tmp_path: Path) -> None:
+    result = pip_wheel(clone, tmp_path, env={"CC": "/bin/false"})
+    assert result.returncode != 0
+    assert "building the Vulkan layer failed" in result.stdout + result.stderr
+    assert not list(tmp_path.glob("*.whl"))
+
+
+def test_the_installed_wheel_delivers_the_layer(clean_wheel: Path, tmp_path: Path) -> None:
+    """Installed into a fresh venv, as a user installs it: the daemons find the layer and install it."""
+    env = venv_with(clean_wheel, tmp_path / "venv")
+    python = env / "bin" / "python"
+    script = ("import sys; from pathlib import Path; from gpuppetti.vulkanlayer import LayerDir; "
+              "LayerDir(Path(sys.argv[1])).install()")
+    layer_dir = tmp_path / "layer"
+    subprocess.run([str(python), "-c", script, str(layer_dir)], check=True, capture_output=True, timeout=60)
+    assert (layer_dir / "libVkLayer_gpuppetti.so").stat().st_size > 1000
+    assert (layer_dir / "VkLayer_gpuppetti.json").exists()
+    probe = subprocess.run([str(layer_dir / "gpuppetti-vkinfo"), "--help"], capture_output=True, text=True,
+                           timeout=30, check=False)
+    assert probe.returncode == 0, probe.stderr
