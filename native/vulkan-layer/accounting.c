@@ -52,16 +52,43 @@ static void claim_slot(struct acct *acct)
     acct->slot = ACCT_SLOTS - 1;
 }
 
+/* The file's first fields, as struct acct_file begins: read without the whole layout on the caller's stack. */
+struct acct_header {
+    char magic[8];
+    uint32_t version;
+    uint32_t slots;
+};
+
+_Static_assert(offsetof(struct acct_file, budget) == sizeof(struct acct_header), "the header is the file's start");
+
 static bool usable(int fd)
 {
-    struct acct_file header;
-    if (pread(fd, &header, sizeof header.magic + sizeof header.version + sizeof header.slots, 0) !=
-        (ssize_t)(sizeof header.magic + sizeof header.version + sizeof header.slots)) {
+    struct acct_header header;
+    if (pread(fd, &header, sizeof header, 0) != (ssize_t)sizeof header) {
         return false;
     }
     off_t size = lseek(fd, 0, SEEK_END);
     return memcmp(header.magic, ACCT_MAGIC, sizeof header.magic) == 0 && header.version == ACCT_VERSION &&
            header.slots == ACCT_SLOTS && size >= (off_t)sizeof(struct acct_file);
+}
+
+/* Give back the memory of every slot whose owner has died. Returns how many slots held some. */
+int acct_reap(struct acct *acct)
+{
+    if (!acct->shared) {
+        return 0;
+    }
+    int freed = 0;
+    for (int slot = 0; slot < ACCT_SLOTS; slot++) {
+        if (slot == acct->slot || atomic_load(&acct->file->slot_bytes[slot]) == 0) {
+            continue;
+        }
+        if (lock_byte(acct->fd, slot, F_WRLCK)) {
+            freed += empty_slot(acct->file, slot) != 0;
+            lock_byte(acct->fd, slot, F_UNLCK);
+        }
+    }
+    return freed;
 }
 
 void acct_open(struct acct *acct, const char *path, int64_t budget)
@@ -77,6 +104,8 @@ void acct_open(struct acct *acct, const char *path, int64_t budget)
                 acct->fd = fd;
                 acct->shared = true;
                 claim_slot(acct);
+                /* What processes that died since held is free again: budgets read from now on say so. */
+                acct_reap(acct);
                 return;
             }
         }
@@ -115,22 +144,6 @@ static void own_slot(struct acct *acct)
     claim_slot(acct);
 }
 
-/* Give back the memory of every slot whose owner has died. Returns how many bytes came back. */
-static int64_t reap(struct acct *acct)
-{
-    int64_t freed = 0;
-    for (int slot = 0; slot < ACCT_SLOTS; slot++) {
-        if (slot == acct->slot || atomic_load(&acct->file->slot_bytes[slot]) == 0) {
-            continue;
-        }
-        if (lock_byte(acct->fd, slot, F_WRLCK)) {
-            freed += empty_slot(acct->file, slot);
-            lock_byte(acct->fd, slot, F_UNLCK);
-        }
-    }
-    return freed;
-}
-
 bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size)
 {
     if (heap >= ACCT_HEAPS || size < 0) {
@@ -148,7 +161,7 @@ bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size
                 return true;
             }
         }
-        if (!acct->shared || reap(acct) == 0) {
+        if (acct_reap(acct) == 0) {
             break;
         }
     }

@@ -7,7 +7,8 @@
  * dies and whatever PID namespace it runs in. A process that finds the budget spent looks for slots whose lock is
  * free and gives their memory back before it refuses.
  *
- * gpuppetti's daemons create the file (src/gpuppetti/vulkanlayer.py writes the same layout).
+ * gpuppetti's daemons create the file (src/gpuppetti/vulkanlayer.py writes the same layout). The container can write
+ * it too: nothing read from it is trusted to be in range (arithmetic on it saturates or wraps, never overflows).
  */
 #ifndef GPUPPETTI_ACCOUNTING_H
 #define GPUPPETTI_ACCOUNTING_H
@@ -57,6 +58,9 @@ void acct_open(struct acct *acct, const char *path, int64_t budget);
 /* Reserve size bytes of heap; false when the slice's budget would be passed. */
 bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size);
 void acct_release(struct acct *acct, uint32_t heap, int64_t size);
+/* Give back what every dead process of the slice held (a process SIGKILLed with memory allocated); how many slots
+ * held some. */
+int acct_reap(struct acct *acct);
 int64_t acct_total(const struct acct *acct);
 int64_t acct_heap_usage(const struct acct *acct, uint32_t heap);
 

@@ -19,12 +19,16 @@ __asm__(".symver pthread_create,pthread_create@GLIBC_2.17");
 __asm__(".symver pthread_join,pthread_join@GLIBC_2.17");
 #endif
 
-/* The most a slice waits before a submit. A longer wait is not a debt the slice ran up but a time that no longer
- * means anything: written before a reboot (CLOCK_MONOTONIC starts again), or charged for a batch whose end was seen
- * late (a process stopped with SIGSTOP). */
-#define MAX_WAIT_NS 10000000000LL
+/* The most one batch is charged: a batch whose end was seen late (a process stopped with SIGSTOP) is not a debt
+ * the slice ran up. A batch that really runs longer than this times the share gets more than its share. */
+#define MAX_CHARGE_NS 10000000000LL
+/* A time to wait for that lies further ahead than every batch in flight could have charged is not a debt but a
+ * time from another boot (CLOCK_MONOTONIC starts again): it is forgotten. */
+#define STALE_NS (2 * RING * MAX_CHARGE_NS)
 
-/* Batches in flight that are timed; one submitted while all are in flight is not timed (and so not charged). */
+/* Batches in flight that are timed. One submitted while all are in flight is not timed itself, nor waited for (a
+ * batch may wait on something the host signals only after it submits more): the queue runs it before the next timed
+ * one, which is charged from the end of the timed one before it, and so for it too. */
 #define RING 64
 #define QUEUES 16
 
@@ -68,6 +72,23 @@ static _Atomic int64_t *not_before(struct duty *duty)
     return &duty->acct->file->not_before_ns;
 }
 
+/* The slice may submit again once it has waited a batch's time over its share, from the batch's start. */
+static void push_out(struct duty *duty, int64_t start, int64_t took)
+{
+    if (took > MAX_CHARGE_NS) {
+        took = MAX_CHARGE_NS;
+    }
+    int64_t cost = took * 1000 / duty->permille;
+    _Atomic int64_t *shared = not_before(duty);
+    int64_t current = atomic_load(shared);
+    int64_t next;
+    do {
+        /* Time the slice did not use is not saved up: it starts from the batch's start at the latest. */
+        int64_t base = current > start ? current : start;
+        next = base > INT64_MAX - cost ? INT64_MAX : base + cost; /* the file is the container's to write */
+    } while (!atomic_compare_exchange_weak(shared, &current, next));
+}
+
 /* A batch ran from start to end: the slice may submit again once it has waited that long over its share. */
 static void charge(struct duty *duty, VkQueue queue, int64_t submitted, int64_t end)
 {
@@ -90,14 +111,7 @@ static void charge(struct duty *duty, VkQueue queue, int64_t submitted, int64_t 
     if (end <= start) {
         return;
     }
-    int64_t cost = (end - start) * 1000 / duty->permille;
-    _Atomic int64_t *shared = not_before(duty);
-    int64_t current = atomic_load(shared);
-    int64_t next;
-    do {
-        /* Time the slice did not use is not saved up: it starts from the batch's start at the latest. */
-        next = (current > start ? current : start) + cost;
-    } while (!atomic_compare_exchange_weak(shared, &current, next));
+    push_out(duty, start, end - start);
 }
 
 static void *wait_for_batches(void *argument)
@@ -160,12 +174,12 @@ void duty_wait(struct duty *duty)
     for (;;) {
         int64_t now = duty_now();
         int64_t until = atomic_load(not_before(duty));
-        int64_t wait = until - now;
-        if (wait <= 0) {
+        if (until <= now) {
             return;
         }
-        if (wait > MAX_WAIT_NS) {
-            atomic_compare_exchange_strong(not_before(duty), &until, now + MAX_WAIT_NS);
+        int64_t wait = until - now;
+        if (wait > STALE_NS) {
+            atomic_compare_exchange_strong(not_before(duty), &until, now);
             continue;
         }
         /* In steps of at most a second: another process of the slice may move the time while this one sleeps. */

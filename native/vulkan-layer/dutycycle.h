@@ -5,9 +5,15 @@
  *
  * After each batch the layer submits a fence of its own; a thread per device waits for it, takes the batch's GPU
  * time as the time from its start (its submit, or the end of the batch before it on that queue) to its end, and
- * pushes the slice's next allowed submit out by that time divided by the share. A submit waits for that time (10 s
- * at the most); it is never refused, and work already queued is never stopped: there is no preemption. The time is kept in the slice's
+ * pushes the slice's next allowed submit out by that time divided by the share. A submit waits for that time; it is
+ * never refused, and work already queued is never stopped: there is no preemption. The time is kept in the slice's
  * accounting file, so every process of a container (and every container of a DRA claim) shares one duty cycle.
+ *
+ * Where the share is not held exactly: one batch is charged at most 10 s of GPU time (a batch seen to end late,
+ * after a SIGSTOP, is not a debt); past 64 batches in flight on one device, a further batch is not timed itself but
+ * within the next timed batch on its queue (which is charged from the end of the one before it), so work that ends
+ * the application's last submits untimed, with 64 in flight, is not charged; the time is wall time per queue, so
+ * batches that run at once on several queues are charged for each (a slice then gets less, never more).
  */
 #ifndef GPUPPETTI_DUTYCYCLE_H
 #define GPUPPETTI_DUTYCYCLE_H

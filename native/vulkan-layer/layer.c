@@ -14,13 +14,20 @@
  * integrated GPU, a CPU (lavapipe) or a virtual GPU (Venus), where every heap is the same memory, all of them.
  * Imported memory (fd, dma-buf, host pointer) is someone else's and does not count.
  *
- * The layer never breaks an application: without its environment (slices.h) it passes every call through.
+ * Memory that is exported (vkGetMemoryFdKHR) stays counted after it is freed, until the exporting process exits:
+ * whoever imported it keeps it alive.
+ *
+ * The layer never breaks an application: without its environment (slices.h) it passes every call through, except
+ * that it answers for VK_EXT_memory_budget where the driver lacks it (the loader advertises the extension from the
+ * layer's manifest either way). It has no fixed limit on instances, devices, GPUs or slices; where it runs out of
+ * memory to track something it passes that through and says so once on stderr.
  * Only vkNegotiateLoaderLayerInterfaceVersion is exported; everything else is reached through it.
  */
 #define _GNU_SOURCE
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,32 +36,24 @@
 
 #include "accounting.h"
 #include "dutycycle.h"
+#include "handles.h"
 #include "slices.h"
+#include "spin.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define LAYER_NAME "VK_LAYER_GPUPPETTI_slice"
-#define MAX_INSTANCES 16
-#define MAX_DEVICES 64
-#define MAX_PHYSICAL 64
-
-/* -- a spinlock: the layer links nothing but libc, and holds each lock for a few loads and stores ------------ */
-
-typedef struct { atomic_flag flag; } spin_t;
-
-static void spin_lock(spin_t *lock)
-{
-    while (atomic_flag_test_and_set_explicit(&lock->flag, memory_order_acquire)) {
-    }
-}
-
-static void spin_unlock(spin_t *lock)
-{
-    atomic_flag_clear_explicit(&lock->flag, memory_order_release);
-}
 
 static void *dispatch_key(const void *handle)
 {
     return *(void *const *)handle;
+}
+
+/* Said once per process on stderr: what the layer could not track, and so passed through. */
+static void say_once(atomic_flag *said, const char *what)
+{
+    if (!atomic_flag_test_and_set(said)) {
+        fprintf(stderr, "gpuppetti Vulkan layer: %s\n", what);
+    }
 }
 
 /* -- instances, their physical devices, and devices ------------------------------------------------------- */
@@ -64,6 +63,7 @@ struct physical {
     struct slice *slice; /* NULL: not the container's GPU */
     VkPhysicalDeviceType type;
     bool native_budget;  /* the driver has VK_EXT_memory_budget itself */
+    bool budget_listed;  /* the list from below names it (the loader adds an implicit layer's manifest's) */
 };
 
 struct instance {
@@ -79,9 +79,9 @@ struct instance {
     PFN_vkGetPhysicalDeviceMemoryProperties GetPhysicalDeviceMemoryProperties;
     PFN_vkGetPhysicalDeviceMemoryProperties2 GetPhysicalDeviceMemoryProperties2;
     PFN_vkEnumerateDeviceExtensionProperties EnumerateDeviceExtensionProperties;
-    bool learned; /* the physical devices are known: without that, nothing is hidden */
+    bool learned; /* the physical devices are known: without that, nothing is hidden or emulated */
     int physical_count;
-    struct physical physicals[MAX_PHYSICAL];
+    struct physical *physicals;
 };
 
 struct device {
@@ -93,70 +93,24 @@ struct device {
     PFN_vkQueueSubmit QueueSubmit;
     PFN_vkQueueSubmit2 QueueSubmit2;
     PFN_vkQueueSubmit2KHR QueueSubmit2KHR;
+    PFN_vkGetMemoryFdKHR GetMemoryFdKHR;
     struct duty *duty;               /* NULL: not throttled */
     struct slice *slice;             /* NULL or budget 0: nothing to count */
     uint32_t counted_heaps;          /* bit per heap whose allocations count */
     uint32_t type_heap[VK_MAX_MEMORY_TYPES];
 };
 
-static spin_t registry_lock;
-static struct instance *instances[MAX_INSTANCES];
-static struct device *devices[MAX_DEVICES];
+static struct handle_map instances;
+static struct handle_map devices;
 
 static struct instance *instance_of(const void *handle)
 {
-    void *key = dispatch_key(handle);
-    struct instance *found = NULL;
-    spin_lock(&registry_lock);
-    for (int i = 0; i < MAX_INSTANCES; i++) {
-        if (instances[i] != NULL && instances[i]->key == key) {
-            found = instances[i];
-            break;
-        }
-    }
-    spin_unlock(&registry_lock);
-    return found;
+    return handles_find(&instances, dispatch_key(handle));
 }
 
 static struct device *device_of(const void *handle)
 {
-    void *key = dispatch_key(handle);
-    struct device *found = NULL;
-    spin_lock(&registry_lock);
-    for (int i = 0; i < MAX_DEVICES; i++) {
-        if (devices[i] != NULL && devices[i]->key == key) {
-            found = devices[i];
-            break;
-        }
-    }
-    spin_unlock(&registry_lock);
-    return found;
-}
-
-static bool remember(void **table, int size, void *entry)
-{
-    bool stored = false;
-    spin_lock(&registry_lock);
-    for (int i = 0; i < size; i++) {
-        if (table[i] == NULL) {
-            table[i] = entry;
-            stored = true;
-            break;
-        }
-    }
-    spin_unlock(&registry_lock);
-    return stored;
-}
-
-static void forget(void **table, int size, void *entry)
-{
-    spin_lock(&registry_lock);
-    for (int i = 0; i < size; i++) {
-        if (table[i] == entry) {
-            table[i] = NULL;
-        }
-    }
-    spin_unlock(&registry_lock);
+    return handles_find(&devices, dispatch_key(handle));
 }
 
 /* -- allocations: each counted VkDeviceMemory, with its size and heap, until it is freed -------------------- */
@@ -169,6 +123,7 @@ struct allocation {
     struct device *device;
     int64_t size;
     uint32_t heap;
+    bool exported; /* an fd was taken for it: it stays counted after it is freed */
 };
 
 static spin_t bucket_locks[BUCKETS];
@@ -192,6 +147,7 @@ static bool track(struct device *device, uint64_t memory, int64_t size, uint32_t
     entry->device = device;
     entry->size = size;
     entry->heap = heap;
+    entry->exported = false;
     uint32_t bucket = bucket_of(memory);
     spin_lock(&bucket_locks[bucket]);
     entry->next = buckets[bucket];
@@ -216,7 +172,20 @@ static struct allocation *untrack(struct device *device, uint64_t memory)
     return found;
 }
 
-/* What a device that is destroyed without freeing its memory still held. */
+static void mark_exported(struct device *device, uint64_t memory)
+{
+    uint32_t bucket = bucket_of(memory);
+    spin_lock(&bucket_locks[bucket]);
+    for (struct allocation *entry = buckets[bucket]; entry != NULL; entry = entry->next) {
+        if (entry->memory == memory && entry->device == device) {
+            entry->exported = true;
+            break;
+        }
+    }
+    spin_unlock(&bucket_locks[bucket]);
+}
+
+/* What a device that is destroyed without freeing its memory still held (exported memory stays counted). */
 static void untrack_device(struct device *device)
 {
     for (uint32_t bucket = 0; bucket < BUCKETS; bucket++) {
@@ -226,7 +195,9 @@ static void untrack_device(struct device *device)
             struct allocation *entry = *link;
             if (entry->device == device) {
                 *link = entry->next;
-                acct_release(&device->slice->acct, entry->heap, entry->size);
+                if (!entry->exported) {
+                    acct_release(&device->slice->acct, entry->heap, entry->size);
+                }
                 free(entry);
             } else {
                 link = &entry->next;
@@ -266,6 +237,9 @@ static struct slice *match(struct instance *instance, VkPhysicalDevice physical,
     VkPhysicalDeviceProperties basic;
     instance->GetPhysicalDeviceProperties(physical, &basic);
     *type = basic.deviceType;
+    if (slices->count == 0) {
+        return NULL;
+    }
     bool pci_known = false, uuid_known = false;
     VkPhysicalDevicePCIBusInfoPropertiesEXT pci = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT};
     VkPhysicalDeviceIDProperties id = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_ID_PROPERTIES};
@@ -331,31 +305,48 @@ static bool driver_has_budget(struct instance *instance, VkPhysicalDevice physic
     return false;
 }
 
-/* Learn the driver's physical devices and whose they are. Called once per instance, before any filtering. */
-static VkResult learn_physicals(struct instance *instance)
+static atomic_flag said_untracked_gpus;
+
+/* Learn the driver's physical devices, whose they are, and whether the driver reports budgets itself. Called once
+ * per instance, before any filtering; where it fails, nothing is hidden, limited or emulated for that instance. */
+static void learn_physicals(struct instance *instance)
 {
+    VkPhysicalDevice *handles = NULL;
     uint32_t count = 0;
-    VkResult result = instance->EnumeratePhysicalDevices(instance->handle, &count, NULL);
-    if (result != VK_SUCCESS) {
-        return result;
+    VkResult result = VK_INCOMPLETE;
+    /* A GPU that appears between the two calls makes the second one incomplete: ask again. */
+    for (int attempt = 0; attempt < 4 && result == VK_INCOMPLETE; attempt++) {
+        free(handles);
+        handles = NULL;
+        count = 0;
+        result = instance->EnumeratePhysicalDevices(instance->handle, &count, NULL);
+        if (result != VK_SUCCESS) {
+            return;
+        }
+        handles = calloc(count ? count : 1, sizeof *handles);
+        if (handles == NULL) {
+            break;
+        }
+        result = instance->EnumeratePhysicalDevices(instance->handle, &count, handles);
     }
-    if (count > MAX_PHYSICAL) {
-        count = MAX_PHYSICAL;
-    }
-    VkPhysicalDevice handles[MAX_PHYSICAL];
-    result = instance->EnumeratePhysicalDevices(instance->handle, &count, handles);
-    if (result < VK_SUCCESS) {
-        return result;
+    struct physical *physicals = result == VK_SUCCESS ? calloc(count ? count : 1, sizeof *physicals) : NULL;
+    if (physicals == NULL) {
+        free(handles);
+        if (result == VK_SUCCESS || handles == NULL) {
+            say_once(&said_untracked_gpus, "out of memory learning the GPUs: this instance is not held to a slice");
+        }
+        return;
     }
     for (uint32_t i = 0; i < count; i++) {
-        struct physical *physical = &instance->physicals[i];
-        physical->handle = handles[i];
-        physical->slice = match(instance, handles[i], &physical->type);
-        physical->native_budget = driver_has_budget(instance, handles[i]);
+        physicals[i].handle = handles[i];
+        physicals[i].slice = match(instance, handles[i], &physicals[i].type);
+        physicals[i].native_budget = driver_has_budget(instance, handles[i]);
+        physicals[i].budget_listed = has_extension(instance, handles[i], VK_EXT_MEMORY_BUDGET_EXTENSION_NAME);
     }
+    free(handles);
+    instance->physicals = physicals;
     instance->physical_count = (int)count;
     instance->learned = true;
-    return VK_SUCCESS;
 }
 
 /* A physical device the container may see: every one where the layer is not active. */
@@ -437,8 +428,11 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateInstance(const VkInstanceCreat
         return result;
     }
     struct instance *instance = calloc(1, sizeof *instance);
+    PFN_vkDestroyInstance destroy = (PFN_vkDestroyInstance)gipa(*out, "vkDestroyInstance");
     if (instance == NULL) {
-        return VK_SUCCESS; /* nothing to enforce with, but the application runs */
+        /* Without its record the layer could not even pass the instance's calls down. */
+        destroy(*out, allocator);
+        return VK_ERROR_OUT_OF_HOST_MEMORY;
     }
     instance->key = dispatch_key(*out);
     instance->handle = *out;
@@ -457,11 +451,12 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateInstance(const VkInstanceCreat
         gipa, *out, "vkGetPhysicalDeviceProperties2", "vkGetPhysicalDeviceProperties2KHR");
     instance->GetPhysicalDeviceMemoryProperties2 = (PFN_vkGetPhysicalDeviceMemoryProperties2)either(
         gipa, *out, "vkGetPhysicalDeviceMemoryProperties2", "vkGetPhysicalDeviceMemoryProperties2KHR");
-    if (slices_get()->active) {
-        learn_physicals(instance);
-    }
-    if (!remember((void **)instances, MAX_INSTANCES, instance)) {
+    learn_physicals(instance);
+    if (!handles_put(&instances, instance->key, instance)) {
+        free(instance->physicals);
         free(instance);
+        destroy(*out, allocator);
+        return VK_ERROR_OUT_OF_HOST_MEMORY;
     }
     return VK_SUCCESS;
 }
@@ -476,7 +471,8 @@ static VKAPI_ATTR void VKAPI_CALL layer_DestroyInstance(VkInstance handle, const
         return;
     }
     PFN_vkDestroyInstance destroy = instance->DestroyInstance;
-    forget((void **)instances, MAX_INSTANCES, instance);
+    handles_drop(&instances, instance->key);
+    free(instance->physicals);
     free(instance);
     destroy(handle, allocator);
 }
@@ -624,11 +620,12 @@ static void fill_budget(const struct physical *physical, const VkPhysicalDeviceM
         return;
     }
     uint32_t counted = counted_heaps(physical->type, memory);
-    const struct acct *acct = &physical->slice->acct;
-    int64_t left = budget - acct_total(acct);
-    if (left < 0) {
-        left = 0;
-    }
+    struct acct *acct = &physical->slice->acct;
+    /* Applications size themselves by the budget: what killed processes held must not be in it. */
+    acct_reap(acct);
+    /* The file is the container's to write: whatever it holds, no arithmetic here overflows. */
+    int64_t total = acct_total(acct);
+    int64_t left = total < 0 ? budget : total >= budget ? 0 : budget - total;
     for (uint32_t heap = 0; heap < memory->memoryHeapCount; heap++) {
         if (!(counted & (1u << heap))) {
             continue;
@@ -637,7 +634,7 @@ static void fill_budget(const struct physical *physical, const VkPhysicalDeviceM
         if (used < 0) {
             used = 0;
         }
-        VkDeviceSize allowed = (VkDeviceSize)(used + left);
+        VkDeviceSize allowed = (VkDeviceSize)used + (VkDeviceSize)left; /* both at most INT64_MAX: no wrap */
         if (allowed > memory->memoryHeaps[heap].size) {
             allowed = memory->memoryHeaps[heap].size;
         }
@@ -653,10 +650,8 @@ static VKAPI_ATTR void VKAPI_CALL layer_GetPhysicalDeviceMemoryProperties2(VkPhy
                                                                            VkPhysicalDeviceMemoryProperties2 *out)
 {
     struct instance *instance = instance_of(handle);
-    if (!slices_get()->active) {
-        instance->GetPhysicalDeviceMemoryProperties2(handle, out);
-        return;
-    }
+    /* Without a slice too: the loader advertises VK_EXT_memory_budget from the manifest, so where the driver lacks
+     * it the layer answers as a driver that knows nothing more would (a budget of 0 stops applications). */
     struct physical *physical = physical_of(instance, handle);
     VkPhysicalDeviceMemoryBudgetPropertiesEXT *budget = NULL;
     for (VkBaseOutStructure *next = out->pNext; next != NULL; next = next->pNext) {
@@ -745,8 +740,9 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_EnumerateDeviceExtensionProperties(V
         return VK_SUCCESS;
     }
     struct instance *instance = instance_of(handle);
-    struct physical *physical = slices_get()->active ? physical_of(instance, handle) : NULL;
-    bool add = layer == NULL && physical != NULL && physical->slice != NULL && !physical->native_budget;
+    struct physical *physical = physical_of(instance, handle);
+    /* Listed once: by the loader where the layer is implicit, by the layer where it is enabled explicitly. */
+    bool add = layer == NULL && physical != NULL && !physical->native_budget && !physical->budget_listed;
     if (!add) {
         return instance->EnumerateDeviceExtensionProperties(handle, layer, count, out);
     }
@@ -793,13 +789,19 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
     }
     link->u.pLayerInfo = link->u.pLayerInfo->pNext;
 
-    struct physical *physical = slices_get()->active ? physical_of(instance, physical_handle) : NULL;
+    /* The record first: a device the layer could not pass calls down for must not exist. */
+    struct device *device = calloc(1, sizeof *device);
+    if (device == NULL) {
+        return VK_ERROR_OUT_OF_HOST_MEMORY;
+    }
+    struct physical *physical = physical_of(instance, physical_handle);
     /* VK_EXT_memory_budget where the layer provides it: the driver must not be asked for it. */
     VkDeviceCreateInfo copy = *info;
     const char **names = NULL;
     if (physical != NULL && !physical->native_budget && info->enabledExtensionCount > 0) {
         names = calloc(info->enabledExtensionCount, sizeof *names);
         if (names == NULL) {
+            free(device);
             return VK_ERROR_OUT_OF_HOST_MEMORY;
         }
         uint32_t kept = 0;
@@ -814,11 +816,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
     VkResult result = create(physical_handle, &copy, allocator, out);
     free(names);
     if (result != VK_SUCCESS) {
+        free(device);
         return result;
-    }
-    struct device *device = calloc(1, sizeof *device);
-    if (device == NULL) {
-        return VK_SUCCESS;
     }
     device->key = dispatch_key(*out);
     device->gdpa = gdpa;
@@ -828,6 +827,7 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
     device->QueueSubmit = (PFN_vkQueueSubmit)gdpa(*out, "vkQueueSubmit");
     device->QueueSubmit2 = (PFN_vkQueueSubmit2)gdpa(*out, "vkQueueSubmit2");
     device->QueueSubmit2KHR = (PFN_vkQueueSubmit2KHR)gdpa(*out, "vkQueueSubmit2KHR");
+    device->GetMemoryFdKHR = (PFN_vkGetMemoryFdKHR)gdpa(*out, "vkGetMemoryFdKHR");
     if (physical != NULL && physical->slice != NULL && physical->slice->compute < 1000) {
         struct duty_calls calls = {
             .QueueSubmit = device->QueueSubmit,
@@ -847,9 +847,13 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
             device->type_heap[type] = memory.memoryTypes[type].heapIndex;
         }
     }
-    if (!remember((void **)devices, MAX_DEVICES, device)) {
+    if (!handles_put(&devices, device->key, device)) {
         duty_destroy(device->duty);
         free(device);
+        PFN_vkDestroyDevice destroy = (PFN_vkDestroyDevice)gdpa(*out, "vkDestroyDevice");
+        destroy(*out, allocator);
+        *out = VK_NULL_HANDLE;
+        return VK_ERROR_OUT_OF_HOST_MEMORY;
     }
     return VK_SUCCESS;
 }
@@ -864,7 +868,7 @@ static VKAPI_ATTR void VKAPI_CALL layer_DestroyDevice(VkDevice handle, const VkA
         return;
     }
     PFN_vkDestroyDevice destroy = device->DestroyDevice;
-    forget((void **)devices, MAX_DEVICES, device);
+    handles_drop(&devices, device->key);
     if (device->slice != NULL) {
         untrack_device(device);
     }
@@ -948,9 +952,26 @@ static VKAPI_ATTR void VKAPI_CALL layer_FreeMemory(VkDevice handle, VkDeviceMemo
     }
     struct allocation *entry = untrack(device, (uint64_t)(uintptr_t)memory);
     if (entry != NULL) {
-        acct_release(&device->slice->acct, entry->heap, entry->size);
+        /* Exported memory lives on in whoever imported it: counted until this process exits (accounting.h). */
+        if (!entry->exported) {
+            acct_release(&device->slice->acct, entry->heap, entry->size);
+        }
         free(entry);
     }
+}
+
+static VKAPI_ATTR VkResult VKAPI_CALL layer_GetMemoryFdKHR(VkDevice handle, const VkMemoryGetFdInfoKHR *info,
+                                                           int *fd)
+{
+    struct device *device = device_of(handle);
+    if (device == NULL || device->GetMemoryFdKHR == NULL) {
+        return VK_ERROR_INITIALIZATION_FAILED;
+    }
+    VkResult result = device->GetMemoryFdKHR(handle, info, fd);
+    if (result == VK_SUCCESS && device->slice != NULL && info != NULL) {
+        mark_exported(device, (uint64_t)(uintptr_t)info->memory);
+    }
+    return result;
 }
 
 /* -- submits: held to the slice's share of GPU time, where it has one ------------------------------------- */
@@ -1020,6 +1041,12 @@ static PFN_vkVoidFunction device_function(const char *name)
     return NULL;
 }
 
+/* Only a device whose memory is counted has its exports go through the layer. */
+static PFN_vkVoidFunction slice_function(const char *name)
+{
+    return strcmp(name, "vkGetMemoryFdKHR") == 0 ? (PFN_vkVoidFunction)layer_GetMemoryFdKHR : NULL;
+}
+
 /* Only a device held to a compute share has its submits go through the layer; any other's go straight down. */
 static PFN_vkVoidFunction submit_function(const char *name)
 {
@@ -1068,6 +1095,9 @@ static VKAPI_ATTR PFN_vkVoidFunction VKAPI_CALL layer_GetDeviceProcAddr(VkDevice
     PFN_vkVoidFunction next = device->gdpa(handle, name);
     /* A function the layers below do not have (vkQueueSubmit2 on a device without it) is not offered either. */
     own = device->duty != NULL && next != NULL ? submit_function(name) : NULL;
+    if (own == NULL && device->slice != NULL && next != NULL) {
+        own = slice_function(name);
+    }
     return own != NULL ? own : next;
 }
 

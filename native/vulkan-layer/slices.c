@@ -83,12 +83,19 @@ bool slices_parse(const char *text, struct slices *out)
 {
     memset(out, 0, sizeof *out);
     if (text == NULL || *text == '\0') return false;
+    size_t entries = 1;
+    for (const char *c = text; *c != '\0'; c++) {
+        entries += *c == ',';
+    }
+    if (entries > INT_MAX / 2) return false;
+    out->items = calloc(entries, sizeof *out->items);
+    if (out->items == NULL) return false;
     const char *cursor = text;
     while (*cursor != '\0') {
         const char *comma = strchr(cursor, ',');
         size_t length = comma != NULL ? (size_t)(comma - cursor) : strlen(cursor);
-        if (out->count >= MAX_SLICES || !parse_entry(cursor, length, &out->items[out->count])) {
-            memset(out, 0, sizeof *out);
+        if ((size_t)out->count >= entries || !parse_entry(cursor, length, &out->items[out->count])) {
+            slices_free(out);
             return false;
         }
         out->count++;
@@ -99,30 +106,44 @@ bool slices_parse(const char *text, struct slices *out)
     for (int i = 0; i < out->count; i++) {
         out->items[i].compute = 1000;
     }
+    if (!out->active) slices_free(out);
     return out->active;
+}
+
+void slices_free(struct slices *slices)
+{
+    free(slices->items);
+    memset(slices, 0, sizeof *slices);
+}
+
+/* One share: 1 to 1000, then a comma and more or the end. Returns where the next one starts, or NULL. */
+static const char *parse_share(const char *cursor, int *share)
+{
+    char *end = NULL;
+    errno = 0;
+    long value = strtol(cursor, &end, 10);
+    if (errno != 0 || end == cursor || value < 1 || value > 1000 || (*end != ',' && *end != '\0')) return NULL;
+    if (*end == ',' && end[1] == '\0') return NULL;
+    *share = (int)value;
+    return *end == ',' ? end + 1 : end;
 }
 
 bool slices_parse_compute(const char *text, struct slices *slices)
 {
-    int shares[MAX_SLICES];
-    int count = 0;
-    const char *cursor = text;
+    /* First whether it parses and names one share per slice, then the shares: nothing half-applied. */
+    int count = 0, share = 0;
     bool parsed = text != NULL && *text != '\0';
-    while (parsed && *cursor != '\0') {
-        char *end = NULL;
-        errno = 0;
-        long share = strtol(cursor, &end, 10);
-        parsed = errno == 0 && end != cursor && share >= 1 && share <= 1000 && count < MAX_SLICES &&
-                 (*end == ',' || *end == '\0');
-        if (parsed) {
-            shares[count++] = (int)share;
-            cursor = *end == ',' ? end + 1 : end;
-            parsed = !(*end == ',' && *cursor == '\0');
-        }
+    for (const char *cursor = text; parsed && *cursor != '\0'; count++) {
+        cursor = parse_share(cursor, &share);
+        parsed = cursor != NULL && count < slices->count;
     }
     parsed = parsed && count == slices->count;
+    const char *cursor = text;
     for (int i = 0; i < slices->count; i++) {
-        slices->items[i].compute = parsed ? shares[i] : 1000;
+        slices->items[i].compute = 1000;
+        if (parsed) {
+            cursor = parse_share(cursor, &slices->items[i].compute);
+        }
     }
     return parsed;
 }
@@ -130,13 +151,24 @@ bool slices_parse_compute(const char *text, struct slices *slices)
 static struct slices loaded;
 static atomic_int state; /* 0: not yet, 1: loading, 2: loaded */
 
+static void say(const char *what, const char *value)
+{
+    fprintf(stderr, "gpuppetti Vulkan layer: %s=%.200s does not parse; %s\n", what, value,
+            strcmp(what, "GPUPPETTI_VK_SLICES") == 0 ? "this process is not held to a slice"
+                                                     : "no slice of this process is throttled");
+}
+
 const struct slices *slices_get(void)
 {
     int expected = 0;
     if (atomic_compare_exchange_strong(&state, &expected, 1)) {
         struct slices parsed;
-        if (slices_parse(getenv("GPUPPETTI_VK_SLICES"), &parsed)) {
-            slices_parse_compute(getenv("GPUPPETTI_VK_COMPUTE"), &parsed);
+        const char *text = getenv("GPUPPETTI_VK_SLICES");
+        if (slices_parse(text, &parsed)) {
+            const char *compute = getenv("GPUPPETTI_VK_COMPUTE");
+            if (!slices_parse_compute(compute, &parsed) && compute != NULL) {
+                say("GPUPPETTI_VK_COMPUTE", compute);
+            }
             const char *directory = getenv("GPUPPETTI_VK_ACCOUNTING");
             for (int i = 0; i < parsed.count; i++) {
                 char path[4096];
@@ -145,6 +177,8 @@ const struct slices *slices_get(void)
                 bool fits = written > 0 && written < (int)sizeof path;
                 acct_open(&parsed.items[i].acct, fits ? path : NULL, parsed.items[i].budget);
             }
+        } else if (text != NULL) {
+            say("GPUPPETTI_VK_SLICES", text);
         }
         loaded = parsed;
         atomic_store(&state, 2);

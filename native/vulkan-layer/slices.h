@@ -17,8 +17,6 @@
 
 #include "accounting.h"
 
-#define MAX_SLICES 16
-
 enum selector_kind { SELECT_ANY, SELECT_PCI, SELECT_UUID };
 
 struct slice {
@@ -33,13 +31,16 @@ struct slice {
 struct slices {
     bool active;
     int count;
-    struct slice items[MAX_SLICES];
+    struct slice *items; /* count of them, as many as the value names */
 };
 
-/* Parse the environment once per process; the result is never changed afterwards. */
+/* Parse the environment once per process; the result is never changed afterwards. A value that is set but does not
+ * parse is said once on stderr. */
 const struct slices *slices_get(void);
-/* Parse a value of GPUPPETTI_VK_SLICES into slices (no accounting opened); false when it does not parse. */
+/* Parse a value of GPUPPETTI_VK_SLICES into slices (no accounting opened); false when it does not parse (or no
+ * memory is left for it). slices_free gives back what a parse took. */
 bool slices_parse(const char *text, struct slices *out);
+void slices_free(struct slices *slices);
 /* Parse a value of GPUPPETTI_VK_COMPUTE into slices' compute shares; false (and every share 1000) when it does not
  * parse or does not name exactly one share per slice. */
 bool slices_parse_compute(const char *text, struct slices *slices);

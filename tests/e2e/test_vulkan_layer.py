@@ -187,7 +187,8 @@ async def gpu_time(sandbox: PodmanSandbox, layer: LayerDir, compute: int, in_fli
     return share
 
 
-@pytest.mark.parametrize("in_flight", [1, 3])
+# 100 batches in flight pass the 64 the layer times: the rest are charged as long as the timed ones took.
+@pytest.mark.parametrize("in_flight", [1, 3, 100])
 async def test_a_compute_share_holds_the_container_to_its_part_of_the_gpus_time(
         sandbox: PodmanSandbox, layer: LayerDir, in_flight: int) -> None:
     # Batches of buffer fills on lavapipe, with the share and without it, one after the other in this run: a
@@ -208,8 +209,7 @@ async def test_a_compute_share_that_does_not_parse_throttles_nothing(sandbox: Po
     assert mismatched[0]["busy"]["batches"] >= 0.7 * free[0]["busy"]["batches"]
 
 
-async def test_a_wait_from_before_a_reboot_holds_a_slice_ten_seconds_at_most(sandbox: PodmanSandbox,
-                                                                              layer: LayerDir) -> None:
+async def test_a_wait_from_before_a_reboot_is_forgotten(sandbox: PodmanSandbox, layer: LayerDir) -> None:
     name = f"t-{secrets.token_hex(4)}"
     layer.create(name, [SLICE])
     edits = layer.edits(name, [Budget(SIMULATED, SLICE, 500)])
@@ -217,7 +217,7 @@ async def test_a_wait_from_before_a_reboot_holds_a_slice_ten_seconds_at_most(san
     with (layer.allocations / name / "slice-0.acct").open("r+b") as acct:
         acct.seek(ACCT_NOT_BEFORE_OFFSET)
         acct.write((time.clock_gettime_ns(time.CLOCK_MONOTONIC) + 86400 * 10**9).to_bytes(8, "little"))
-    [report] = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --busy 14 --fill 32")
+    [report] = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --busy 4 --fill 32")
     busy = report["busy"]
-    assert busy["seconds"] < 20
-    assert busy["gpu_seconds"] >= 0.5, "after at most 10 s, the slice works at its share"
+    assert busy["seconds"] < 8
+    assert busy["gpu_seconds"] >= 0.8, "a time further ahead than any debt is forgotten: the slice works at its share"

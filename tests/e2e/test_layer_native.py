@@ -1,0 +1,53 @@
+"""The Vulkan layer tested in C: `make check` (the layer and a harness built with AddressSanitizer and UBSan, the
+layer installed as an implicit layer, driven through the real loader on lavapipe) and `make fuzz` (its parsers of
+GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE and the accounting file, for a bounded time)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpuppetti.sandbox import vulkan_icd
+
+pytestmark = pytest.mark.e2e
+
+LAYER_SOURCE = Path(__file__).resolve().parents[2] / "native" / "vulkan-layer"
+FUZZ_SECONDS = 10
+
+
+def why_not_here(lavapipe: bool) -> str | None:
+    if shutil.which(os.environ.get("CC", "cc")) is None or not Path("/usr/include/vulkan/vulkan.h").exists():
+        return "no C compiler or Vulkan headers here (Debian: gcc libvulkan-dev)"
+    if lavapipe and vulkan_icd() is None:
+        return "no Vulkan loader and lavapipe here (Debian: libvulkan1 mesa-vulkan-drivers)"
+    return None
+
+
+def make(target: str, out: Path, *extra: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "--no-print-directory", "-C", str(LAYER_SOURCE), target, f"OUT={out}", *extra],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_the_sanitized_layer_passes_every_scenario_on_lavapipe(tmp_path: Path) -> None:
+    reason = why_not_here(lavapipe=True)
+    if reason is not None:
+        pytest.skip(f"the layer's C harness cannot run: {reason}")
+    result = make("check", tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "every scenario passed" in result.stdout
+    assert "FAILED" not in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_parsers_survive_fuzzing(tmp_path: Path) -> None:
+    reason = why_not_here(lavapipe=False)
+    if reason is not None:
+        pytest.skip(f"the layer's parsers cannot be fuzzed here: {reason}")
+    result = make("fuzz", tmp_path, f"FUZZ_SECONDS={FUZZ_SECONDS}", timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for target in ("slices", "compute", "accounting"):
+        assert f"fuzz-{target}: {FUZZ_SECONDS} s" in result.stdout
