@@ -27,7 +27,7 @@ from gpuppetti.runtime import Runtime
 from gpuppetti.sandbox import PodmanSandbox, SandboxError, Seen
 from gpuppetti.sharing.replicas import plan_remarks
 from gpuppetti.tables import Column, Prose, print_table, print_trimmed
-from gpuppetti.vulkanlayer import install_layer
+from gpuppetti.vulkanlayer import Enforcement, install_layer
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1
@@ -125,13 +125,14 @@ async def run_demo(
         process.spawn("kubelet-emulator", _until_stopped(kubelet))
         # The Vulkan layer, installed in the demo's own directory: what each container gets mounted from.
         enforcer = None
-        if (layer := await install_layer(workdir / "vulkan")) is not None:
+        enforcement = await install_layer(workdir / "vulkan")
+        if (layer := enforcement.layer) is not None:
             enforcer = Enforcer(layer, workdir / "no-pod-resources.sock")
             await enforcer.start(set())
         manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND,
                                       enforcer=enforcer)
         await manager.run(process)
-        process.spawn("demo", _script(process, inventory, kubelet, console, workdir, sandbox))
+        process.spawn("demo", _script(process, inventory, kubelet, console, workdir, sandbox, enforcement))
 
     try:
         await process.run(start)
@@ -154,7 +155,7 @@ async def _until_stopped(kubelet: KubeletEmulator) -> None:
 
 
 async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulator, console: Console,
-                  workdir: Path, sandbox: PodmanSandbox | None) -> None:
+                  workdir: Path, sandbox: PodmanSandbox | None, enforcement: Enforcement) -> None:
     snapshot = inventory.snapshot
     for resource in snapshot.plan:
         await kubelet.wait_registered(resource)
@@ -162,6 +163,7 @@ async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulat
                                          f"built-in kubelet\n  sockets in {workdir}\n  config: "
                                          f"{snapshot.config.source}\n"))
     print_gpus(console, gpu_records(snapshot))
+    console.print(Text(enforcement.summary() + "\n", style="green" if enforcement.enforced else "yellow"))
 
     outcomes: list[tuple[Pod, list[ContainerAllocation] | str]] = []
     for resource, plan in snapshot.plan.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -110,6 +110,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=self.registry)
         self.slice_publishes = Counter(
             "gpuppetti_dra_slice_publishes", "Times the DRA driver wrote its ResourceSlices", registry=self.registry)
+        self.slices_enforced = Gauge(
+            "gpuppetti_slices_enforced", "1 where containers are held to their slices (the Vulkan layer is "
+            "installed), 0 where they are not: /healthz says why", registry=self.registry)
 
     def watch(self, inventory: Inventory) -> None:
         self._inventory = inventory

@@ -57,8 +57,42 @@ ACCT_NOT_BEFORE_OFFSET = 34976
 _ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+# How to get an installation that has the layer: what `discover`, `doctor` and the daemons tell a user who lacks it.
+BUILD_FIX = ("install gpuppetti from a wheel built where a C compiler and libvulkan-dev are installed (the image "
+             "is), or run `make native` in a checkout")
+
+
 class LayerUnavailable(Exception):
     """The layer cannot be delivered; the message says why."""
+
+
+def missing_files(built: Path = BUILT) -> list[str]:
+    """What this installation lacks of the built layer and its probe (none: it can enforce slices)."""
+    return [name for name in (LIBRARY, PROBE) if not (built / name).is_file()]
+
+
+@dataclass(frozen=True)
+class Enforcement:
+    """Whether a daemon holds containers to their slices, and if not, why: said on /healthz, in /metrics, at start
+    and by the demo."""
+
+    layer: LayerDir | None
+    reason: str
+
+    @property
+    def enforced(self) -> bool:
+        return self.layer is not None
+
+    def note(self) -> str | None:
+        """What /healthz adds to a ready answer: nothing where slices are enforced."""
+        return None if self.enforced else f"slices are not enforced: {self.reason}"
+
+    def summary(self) -> str:
+        """One line of at most 80 columns."""
+        if self.enforced:
+            return "slices are enforced: each container is held to its slice by the Vulkan layer"
+        line = f"slices are NOT enforced: {self.reason}"
+        return line if len(line) <= 80 else line[:77] + "..."
 
 
 def manifest() -> dict[str, object]:
@@ -135,10 +169,10 @@ class LayerDir:
     def install(self, built: Path = BUILT) -> None:
         """Copy the built layer and probe in, and write the manifest. Blocks (file I/O): run it in a thread.
         Raises LayerUnavailable."""
-        missing = [name for name in (LIBRARY, PROBE) if not (built / name).is_file()]
+        missing = missing_files(built)
         if missing:
             raise LayerUnavailable(f"this installation has no built Vulkan layer ({', '.join(missing)} missing in "
-                                   f"{built}; `make` builds it, and the image has it)")
+                                   f"{built}); {BUILD_FIX}")
         try:
             make_directory(self.path, 0o755)
             make_directory(self.allocations, 0o755)
@@ -210,15 +244,17 @@ class LayerDir:
         return edits
 
 
-async def install_layer(directory: Path | None) -> LayerDir | None:
-    """The installed Vulkan layer, or None (said in the log) where slices cannot be enforced."""
+async def install_layer(directory: Path | None) -> Enforcement:
+    """The Vulkan layer installed for the containers, or why slices cannot be enforced (said in the log too)."""
     if directory is None:
-        return None
+        log.warning("slices are not enforced: --vulkan-layer-dir is empty")
+        return Enforcement(None, "--vulkan-layer-dir is empty")
     layer = LayerDir(directory)
     try:
         await asyncio.to_thread(layer.install)
     except LayerUnavailable as exc:
         log.warning("slices are not enforced: %s", exc)
-        return None
+        short = "this installation has no built Vulkan layer" if missing_files() else str(exc)
+        return Enforcement(None, short)
     log.info("slices are enforced through the Vulkan layer in %s", directory)
-    return layer
+    return Enforcement(layer, f"the Vulkan layer in {directory}")

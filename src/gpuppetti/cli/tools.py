@@ -36,6 +36,7 @@ def discover(args: argparse.Namespace) -> int:
     from gpuppetti.inventory import Inventory
     from gpuppetti.report import gpu_records, print_gpus
     from gpuppetti.sharing.replicas import plan_remarks
+    from gpuppetti.vulkanlayer import BUILD_FIX, Enforcement, missing_files
 
     url = getattr(args, "from")
     if url:
@@ -56,10 +57,19 @@ def discover(args: argparse.Namespace) -> int:
         label = "warning" if remark.warning else "note"
         print(f"gpuppetti: {label}: {found.config.source}: {remark.path}: {remark.why}", file=sys.stderr)
     records = gpu_records(Inventory(found.config, gpus).snapshot)
+    missing = missing_files()
     if args.json:
         print(json.dumps(records, indent=2))
+        if missing:
+            print(f"gpuppetti: warning: slices are not enforced: this installation has no built Vulkan layer "
+                  f"({', '.join(missing)} missing); {BUILD_FIX}", file=sys.stderr)
     else:
         print_gpus(console(), records)
+        enforcement = Enforcement(None, "this installation has no built Vulkan layer") if missing else None
+        print(enforcement.summary() if enforcement is not None else
+              "slices can be enforced: this installation has the Vulkan layer")
+        if missing:
+            print(f"  ({', '.join(missing)} missing: {BUILD_FIX})")
     return EXIT_OK
 
 

@@ -54,7 +54,9 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
     metrics.watch(inventory)
     enforcer = None
-    if (layer := await install_layer(options.vulkan_layer_dir)) is not None:
+    enforcement = await install_layer(options.vulkan_layer_dir)
+    metrics.slices_enforced.set(int(enforcement.enforced))
+    if (layer := enforcement.layer) is not None:
         enforcer = Enforcer(layer, pod_resources_socket(options.device_plugin_dir))
         await enforcer.start({unit.id for plan in inventory.plan.values() for unit in plan.units})
         runtime.spawn("layer-directories", enforcer.keep_in_use())
@@ -64,7 +66,9 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     def waiting_for() -> str | None:
         if not inventory.gpus:
             return f"{READY_NOTE}no GPUs found on this node; serving nothing ({'; '.join(looked_at(found.backends))})"
-        return manager.waiting_for()
+        waiting = manager.waiting_for()
+        note = enforcement.note()
+        return waiting if waiting is not None or note is None else f"{READY_NOTE}{note}"
 
     # Listening only once readiness is set: /healthz answers from what the plugin knows, never a placeholder.
     http = HttpServer(metrics)

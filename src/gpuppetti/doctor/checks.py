@@ -24,7 +24,7 @@ from gpuppetti.httpclient import FetchError, get
 from gpuppetti.nodepaths import CRI_SOCKETS, KUBELET_SOCKET
 from gpuppetti.quantity import format_bytes
 from gpuppetti.sharing.replicas import plan_remarks
-from gpuppetti.vulkanlayer import BUILT, LIBRARY, MANIFEST, PROBE, LayerDir
+from gpuppetti.vulkanlayer import BUILD_FIX, BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, missing_files
 
 SOCKET_TIMEOUT_S = 2.0
 # Where distributions put the Vulkan loader, and where the loader looks for drivers (ICD manifests).
@@ -193,9 +193,9 @@ def layer_check(directory: Path | None) -> Result:
     check = "Vulkan layer"
     if directory is None:
         return skip(check, "slices are not enforced (--vulkan-layer-dir '')")
-    if not (BUILT / LIBRARY).exists():
-        return warn(check, "this installation has no built Vulkan layer: slices are not enforced",
-                    "build it (make native: needs a C compiler and libvulkan-dev), or use the image, which has it")
+    if missing := missing_files():
+        return fail(check, f"this installation has no built Vulkan layer ({', '.join(missing)} missing in "
+                    f"{BUILT}): slices are not enforced", BUILD_FIX)
     installed = [name for name in (MANIFEST, LIBRARY, PROBE) if (directory / name).is_file()]
     if len(installed) < 3:
         return warn(check, f"not installed in {directory} yet: the plugin or driver installs it when it starts",

@@ -29,7 +29,7 @@ from gpuppetti.dra.publisher import SlicePublisher
 from gpuppetti.dra.state import DraState
 from gpuppetti.fsutil import make_directory
 from gpuppetti.grpcutil import new_server
-from gpuppetti.httpserver import HttpServer
+from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.instancelock import InstanceLock
 from gpuppetti.kube import REQUEST_TIMEOUT_S, Kube, api_client
 from gpuppetti.metrics import Metrics
@@ -172,8 +172,9 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         checkpoint.load()
     except UnusableCheckpoint as exc:
         raise StartupError(str(exc)) from exc
-    layer = await install_layer(options.vulkan_layer_dir)
-    state = DraState(inventory, options.node_name, options.cdi_dir, checkpoint, kube, layer=layer)
+    enforcement = await install_layer(options.vulkan_layer_dir)
+    metrics.slices_enforced.set(int(enforcement.enforced))
+    state = DraState(inventory, options.node_name, options.cdi_dir, checkpoint, kube, layer=enforcement.layer)
     restored = await state.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
@@ -194,7 +195,8 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         if not publisher.published.is_set():
             why = f": {publisher.last_error}" if publisher.last_error else ""
             return f"the ResourceSlices are not published yet{why}"
-        return None
+        note = enforcement.note()
+        return None if note is None else f"{READY_NOTE}{note}"
 
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot)
