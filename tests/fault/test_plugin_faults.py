@@ -57,7 +57,7 @@ async def test_a_missing_directory_a_squatting_directory_and_a_link_loop_are_wai
     await kubelet.stop(remove_socket=False)
     (plugin_dir / SOCKET).unlink()
     (plugin_dir / SOCKET).mkdir()
-    await plugin.wait_for_log("is a directory; the plugin's socket cannot be created there")
+    await plugin.wait_for_log("is a directory; the socket cannot be created there")
     assert plugin.process.poll() is None
     (plugin_dir / SOCKET).rmdir()
 

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +28,21 @@ def test_round_trip(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".checkpoint.json.*")), "no temporary file is left behind"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "checksum", "shape", "binary"])
+# Shapes a checksum cannot catch: written whole, by something that wrote the wrong thing.
+SHAPES: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "shape": lambda claim: {**claim, "unexpected": 1},
+    "a list": lambda claim: [],
+    "pairs": lambda claim: ["abc"],
+    "a number for a name": lambda claim: {**claim, "name": 7},
+    "devices not a list": lambda claim: {**claim, "devices": 5},
+    "a device that is a list": lambda claim: {**claim, "devices": [["gpu"]]},
+    "a device missing its pool": lambda claim: {**claim, "devices": [{"request_names": ["gpu"], "device": "d",
+                                                                      "cdi_device_ids": []}]},
+    "an unknown state": lambda claim: {**claim, "state": "Prepared"},
+}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "checksum", "binary", *SHAPES])
 def test_damage_is_detected_and_moved_aside(tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     path = _saved(tmp_path).path
     raw = path.read_text()
@@ -34,9 +50,9 @@ def test_damage_is_detected_and_moved_aside(tmp_path: Path, damage: str, caplog:
         path.write_text(raw[: len(raw) // 2])
     elif damage == "checksum":
         path.write_text(raw.replace("gpu-apple-0", "gpu-apple-1"))
-    elif damage == "shape":
+    elif damage in SHAPES:
         document = json.loads(raw)
-        document["claims"]["uid-1"]["unexpected"] = 1
+        document["claims"]["uid-1"] = SHAPES[damage](document["claims"]["uid-1"])
         from gpuppetti.dra.checkpoint import _checksum
 
         document["checksum"] = _checksum(document["claims"])
@@ -72,8 +88,26 @@ def test_a_newer_version_is_read_for_what_this_one_knows_and_kept(tmp_path: Path
     assert "written by a newer gpuppetti" in caplog.text
 
 
-def test_a_directory_at_the_path_is_refused_with_what_to_do(tmp_path: Path) -> None:
+def test_a_directory_at_the_path_is_moved_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "checkpoint.json").mkdir()
-    with pytest.raises(UnusableCheckpoint, match="is a directory, not a file: remove it"):
+    (tmp_path / "checkpoint.json" / "inside").write_text("kept")
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json")
+    aside = checkpoint.load()
+    assert aside is not None and (Path(aside) / "inside").read_text() == "kept"
+    assert checkpoint.claims == {}
+    assert "a directory, not a file" in caplog.text
+    checkpoint.save({})
+    assert Checkpoint(tmp_path / "checkpoint.json").load() is None
+
+
+def test_a_checkpoint_that_cannot_be_moved_aside_says_what_to_do(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "checkpoint.json").write_text("not json")
+
+    def refuse(source: object, target: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("gpuppetti.dra.checkpoint.os.rename", refuse)
+    with pytest.raises(UnusableCheckpoint, match="cannot be moved aside: Permission denied; move it away"):
         Checkpoint(tmp_path / "checkpoint.json").load()
 

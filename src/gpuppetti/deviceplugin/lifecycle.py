@@ -36,9 +36,9 @@ from gpuppetti.deviceplugin import cdispec
 from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.deviceplugin.server import DevicePluginService, too_big
 from gpuppetti.fsutil import make_directory
-from gpuppetti.grpcutil import new_server
 from gpuppetti.instancelock import InstanceLock
 from gpuppetti.inventory import Inventory
+from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
 from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import KUBELET_SOCKET
 from gpuppetti.runtime import Runtime
@@ -52,8 +52,6 @@ REGISTER_TIMEOUT_S = 15.0
 # After Register, how long to wait for the kubelet's ListAndWatch stream before registering again.
 STREAM_WAIT_S = 10.0
 STOP_GRACE_S = 0.2
-# sun_path is 108 bytes on Linux, including the terminating NUL.
-MAX_SOCKET_PATH = 107
 OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
@@ -66,7 +64,7 @@ def socket_name(resource: str) -> str:
 
 
 class ResourceEndpoint:
-    """One grpc.aio server on one Unix socket, serving one resource."""
+    """One resource's Device Plugin service, served on one Unix socket of ours (the kit's endpoint)."""
 
     def __init__(
         self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics, cdi_kind: str = cdispec.KIND,
@@ -79,70 +77,23 @@ class ResourceEndpoint:
         self.wake = wake or asyncio.Event()
         self.service = DevicePluginService(inventory, resource, metrics, cdi_kind, lambda count: self.wake.set(),
                                            enforcer)
-        self._server: grpc.aio.Server | None = None
-        self._inode: int | None = None
+        self._endpoint = UnixEndpoint(self.path, lambda server: server.add_generic_rpc_handlers(
+            (self.service.handler(),)), STOP_GRACE_S)
         # Bumped on every (re)start: a new socket needs a new registration.
         self.serial = 0
 
     def intact(self) -> bool:
         """Whether our socket file is still there, and still the one our server bound."""
-        if self._server is None or self._inode is None:
-            return False
-        try:
-            st = self.path.lstat()
-        except OSError:
-            return False
-        return stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode
+        return self._endpoint.intact()
 
     async def restart(self) -> None:
-        """Serve on a fresh socket. Raises SocketDirError (a state to wait out) when the path cannot take one."""
-        await self.stop()
-        if len(str(self.path)) > MAX_SOCKET_PATH:
-            raise SocketDirError(
-                f"socket path {self.path} is {len(str(self.path))} bytes; Unix sockets allow {MAX_SOCKET_PATH}"
-            )
-        try:
-            st = self.path.lstat()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise SocketDirError(f"cannot look at {self.path}: {exc.strerror}") from exc
-        else:
-            if not stat.S_ISSOCK(st.st_mode):
-                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a file that is not a socket"
-                raise SocketDirError(f"{self.path} is {kind}; the plugin's socket cannot be created there")
-            # A socket left behind by an earlier instance: we hold the directory's lock, so it is nobody's.
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-        server = new_server()
-        server.add_generic_rpc_handlers((self.service.handler(),))
-        try:
-            server.add_insecure_port(f"unix:{self.path}")
-        except RuntimeError as exc:
-            raise SocketDirError(f"cannot create socket {self.path}: {exc}") from exc
-        await server.start()
-        try:
-            # Only the kubelet (root) has any business on this socket.
-            os.chmod(self.path, 0o600, follow_symlinks=False)
-            self._inode = self.path.lstat().st_ino
-        except OSError as exc:
-            # Deleted (or replaced) between bind and chmod: serve again on the next round.
-            await server.stop(0)
-            raise SocketDirError(f"{self.path} vanished as it was created ({exc.strerror}); serving it again") from exc
-        self._server = server
+        """Serve on a fresh socket. Raises SocketError (a state to wait out) when the path cannot take one."""
+        await self._endpoint.start()
         self.serial += 1
         log.info("%s: serving on %s", self.resource, self.path)
 
     async def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
-            return
-        await server.stop(STOP_GRACE_S)
-        # Remove the socket only if it is still ours: a newer instance may own the name now.
-        with contextlib.suppress(OSError):
-            if self.path.lstat().st_ino == self._inode:
-                self.path.unlink()
-        self._inode = None
+        await self._endpoint.stop()
 
 
 @dataclass
@@ -357,7 +308,7 @@ class DevicePluginManager:
                     self._mark(name, False, "serving its socket")
                     try:
                         await endpoint.restart()
-                    except SocketDirError as exc:
+                    except SocketError as exc:
                         delay = backoff.next()
                         log.error("%s: %s; trying again in %.1fs", name, exc, delay)
                         await _wait(wake, delay)

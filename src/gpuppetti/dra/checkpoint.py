@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -84,19 +85,48 @@ def _known(kind: type, raw: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in raw.items() if key in names}
 
 
+def _is_strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+# Each field's check: a checksum proves the file is whole, not that what wrote it was right.
+_DEVICE_FIELDS: dict[str, Any] = {
+    "request_names": _is_strings, "pool": lambda v: isinstance(v, str), "device": lambda v: isinstance(v, str),
+    "cdi_device_ids": _is_strings, "share_id": lambda v: v is None or isinstance(v, str),
+}
+_CLAIM_FIELDS: dict[str, Any] = {
+    "uid": lambda v: isinstance(v, str), "namespace": lambda v: isinstance(v, str),
+    "name": lambda v: isinstance(v, str), "state": lambda v: v in (STARTED, COMPLETED),
+    "devices": lambda v: isinstance(v, list), "cdi_spec": lambda v: v is None or isinstance(v, dict),
+    "cdi_file": lambda v: v is None or isinstance(v, str),
+}
+
+
+def _checked(where: str, raw: object, checks: dict[str, Any], kind: type, lenient: bool) -> dict[str, Any]:
+    """raw's fields for kind, each of the right type; raises CorruptCheckpoint naming what is wrong."""
+    if not isinstance(raw, dict):
+        raise CorruptCheckpoint(f"{where}: not an object")
+    fields = _known(kind, raw) if lenient else dict(raw)
+    required = {f.name for f in dataclasses.fields(kind)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown = sorted(set(fields) - set(checks))
+    missing = sorted(required - set(fields))
+    if unknown or missing:
+        raise CorruptCheckpoint(f"{where}: unknown fields {unknown}, missing fields {missing}")
+    for name, value in fields.items():
+        if not checks[name](value):
+            raise CorruptCheckpoint(f"{where}: {name} is {type(value).__name__} {str(value)[:60]!r}")
+    return fields
+
+
 def _records(claims: dict[str, Any], lenient: bool) -> dict[str, ClaimRecord]:
     records: dict[str, ClaimRecord] = {}
-    try:
-        for uid, raw in claims.items():
-            raw = dict(raw)
-            devices = [PreparedDevice(**(_known(PreparedDevice, d) if lenient else d)) for d in raw.pop("devices", [])]
-            fields = _known(ClaimRecord, raw) if lenient else raw
-            record = ClaimRecord(devices=devices, **fields)
-            if record.state not in (STARTED, COMPLETED):
-                raise CorruptCheckpoint(f"claim {uid}: unknown state {record.state!r}")
-            records[uid] = record
-    except (TypeError, AttributeError) as exc:
-        raise CorruptCheckpoint(f"unexpected record shape: {exc}") from exc
+    for uid, raw in claims.items():
+        fields = _checked(f"claim {uid}", raw, _CLAIM_FIELDS, ClaimRecord, lenient)
+        devices = [PreparedDevice(**_checked(f"claim {uid}: device {index}", device, _DEVICE_FIELDS,
+                                             PreparedDevice, lenient))
+                   for index, device in enumerate(fields.pop("devices", []))]
+        records[uid] = ClaimRecord(devices=devices, **fields)
     return records
 
 
@@ -135,27 +165,29 @@ class Checkpoint:
     def load(self) -> str | None:
         """Read the file. Returns where a corrupt (or newer) file's copy was put, after logging why; None otherwise.
         Raises UnusableCheckpoint when the path cannot hold a checkpoint at all."""
-        if self.path.is_dir():
-            raise UnusableCheckpoint(
-                f"the checkpoint path {self.path} is a directory, not a file: remove it (or move it away) and "
-                "start the driver again")
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         try:
+            if self.path.is_dir():
+                raise CorruptCheckpoint("a directory, not a file")
             raw = self.path.read_bytes()
+            records, version = decode(raw)
         except FileNotFoundError:
             self._claims = MappingProxyType({})
             return None
-        except OSError as exc:
-            raise UnusableCheckpoint(f"cannot read the checkpoint {self.path}: {exc.strerror or exc}") from exc
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        try:
-            records, version = decode(raw)
         except CorruptCheckpoint as exc:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-            self.path.replace(aside)
+            try:
+                os.rename(self.path, aside)
+            except OSError as error:
+                raise UnusableCheckpoint(f"the checkpoint {self.path} is corrupt ({exc}) and cannot be moved aside: "
+                                         f"{error.strerror or error}; move it away and start the driver again") \
+                    from error
             log.error("checkpoint %s is corrupt (%s); moved it to %s and started empty. Claims it held will be "
                       "prepared again when the kubelet retries them", self.path, exc, aside)
             self._claims = MappingProxyType({})
             return str(aside)
+        except OSError as exc:
+            raise UnusableCheckpoint(f"cannot read the checkpoint {self.path}: {exc.strerror or exc}") from exc
         self._claims = MappingProxyType(records)
         if version == VERSION:
             return None

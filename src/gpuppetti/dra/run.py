@@ -9,15 +9,10 @@ the publisher converges once the API is back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
-
-import grpc
 
 from gpuppetti import cdi
 from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
@@ -28,9 +23,9 @@ from gpuppetti.dra.plugin import DraService, Registration, add_services
 from gpuppetti.dra.publisher import SlicePublisher
 from gpuppetti.dra.state import DraState
 from gpuppetti.fsutil import make_directory
-from gpuppetti.grpcutil import new_server
 from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.instancelock import InstanceLock
+from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
 from gpuppetti.kube import REQUEST_TIMEOUT_S, Kube, api_client
 from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
@@ -58,43 +53,26 @@ class DraOptions:
     vulkan_layer_dir: Path | None = None
 
 
-class _Socket:
-    """A gRPC server on a Unix socket of ours: removed at stop only while it is still the one we bound."""
-
-    def __init__(self, server: grpc.aio.Server, path: Path) -> None:
-        self.server = server
-        self.path = path
-        self._inode: int | None = None
-
-    async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            st = self.path.lstat()
-            if not stat.S_ISSOCK(st.st_mode):
-                raise StartupError(f"{self.path} exists and is not a socket; remove it so the driver can serve there")
-            # Left by an earlier instance: we hold the directory's lock, so it is nobody's now.
-            self.path.unlink()
+async def _serve(endpoint: UnixEndpoint, what: str) -> None:
+    """Serve on the endpoint's socket, waiting out what keeps it from being served (said in the log)."""
+    backoff = Backoff(0.1, 5.0)
+    while True:
         try:
-            self.server.add_insecure_port(f"unix:{self.path}")
-        except RuntimeError as exc:
-            raise StartupError(f"cannot create socket {self.path}: {exc}") from exc
-        await self.server.start()
-        os.chmod(self.path, 0o600, follow_symlinks=False)
-        self._inode = self.path.lstat().st_ino
-
-    async def stop(self) -> None:
-        await self.server.stop(STOP_GRACE_S)
-        with contextlib.suppress(OSError):
-            if self.path.lstat().st_ino == self._inode:
-                self.path.unlink()
+            await endpoint.start()
+            return
+        except SocketError as exc:
+            delay = backoff.next()
+            log.error("cannot serve the %s yet: %s; trying again in %.1fs", what, exc, delay)
+            await asyncio.sleep(delay)
 
 
-async def _kubelet_services(dra: _Socket, registration: _Socket, driver: str) -> None:
+async def _kubelet_services(dra: UnixEndpoint, registration: UnixEndpoint, driver: str) -> None:
     """Duty: serve the DRA service, then register; at stop unregister first, so that the kubelet stops sending
     work to a service that is going away."""
-    await dra.start()
     try:
+        await _serve(dra, "DRA service")
         # The kubelet may call the DRA service as soon as it sees the registration socket: serve it first.
-        await registration.start()
+        await _serve(registration, "registration")
         log.info("DRA driver %s serving on %s, registration on %s", driver, dra.path, registration.path)
         try:
             await asyncio.Event().wait()
@@ -181,12 +159,13 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     metrics.watch_claims(state)
     service = DraService(state, metrics)
 
-    dra_server = new_server()
-    add_services(dra_server, service, inventory, options.node_name)
     dra_socket = plugin_dir / "dra.sock"
+    dra_endpoint = UnixEndpoint(dra_socket, lambda server: add_services(server, service, inventory,
+                                                                        options.node_name), STOP_GRACE_S)
     registration = Registration(driver, str(dra_socket.absolute()))
-    registration_server = new_server()
-    reg_grpc.add_RegistrationServicer_to_server(registration, registration_server)
+    registration_endpoint = UnixEndpoint(
+        options.registry_dir / f"{driver}-reg.sock",
+        lambda server: reg_grpc.add_RegistrationServicer_to_server(registration, server), STOP_GRACE_S)
     publisher = SlicePublisher(kube, inventory, options.node_name, metrics, registration.confirmed)
 
     def waiting_for() -> str | None:
@@ -201,9 +180,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot)
 
-    runtime.spawn("kubelet-services", _kubelet_services(
-        _Socket(dra_server, dra_socket), _Socket(registration_server, options.registry_dir / f"{driver}-reg.sock"),
-        driver))
+    runtime.spawn("kubelet-services", _kubelet_services(dra_endpoint, registration_endpoint, driver))
     runtime.spawn("cdi-specs", _keep_cdi_specs(state))
     runtime.spawn("slices-inventory", publisher.follow_inventory())
     runtime.spawn("slices-reconcile", publisher.reconcile_loop())
