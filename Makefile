@@ -13,7 +13,7 @@ NATIVE_OUT := src/gpuppetti/_native
 NATIVE := $(NATIVE_OUT)/libVkLayer_gpuppetti.so $(NATIVE_OUT)/gpuppetti-vkinfo
 NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native/vulkan-layer/Makefile
 
-.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native dist
+.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native dist gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,11 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache src/*.egg-info $(NATIVE_OUT) \
 		native/vulkan-layer/build build dist
 	find src tests tools bench -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# On a host with a real GPU: discover, doctor, and the layer holding gpuppetti-vkinfo and wgpu to a slice of it.
+gpu-check: $(STAMP) native
+	$(BIN)/python -m pip install --quiet -e '.[dev,nvml]'
+	PYTHONPATH=. $(BIN)/python tools/gpu_check.py
 
 bench: $(STAMP) native
 	PYTHONPATH=. $(BIN)/python bench/run.py --json bench/results.json
