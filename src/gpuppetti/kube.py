@@ -1,41 +1,48 @@
-"""The Kubernetes API, as the driver and the node labeller use it: the asyncio fork of the official client,
-configured from a kubeconfig or in-cluster, with every request bounded in time.
+"""The Kubernetes API, as the DRA driver and the node labeller use it: the one boundary every call goes through.
 
-Two things differ from the client's defaults, both for speed: the connection pool is large enough for a kubelet
-call that prepares hundreds of claims at once, and the proxy environment is read once, at start, instead of on
-every request (aiohttp's ``trust_env`` looks up the proxy variables and ~/.netrc in a thread per request).
-Responses are read raw and parsed into the typed objects of ``kubeobjects``.
+lightkube loads the kubeconfig or the in-cluster service account and makes the requests; it was chosen over the
+official client's asyncio fork because importing that one cost the driver 0.9 s of CPU and 45 MiB (every model of
+every API group loads), for the seven calls below (make bench measures the driver's start).
+
+At this boundary every request is bounded in time, every answer is validated into a typed object of ``kubeobjects``
+(a malformed one is a failure like any other), and every failure is an ApiError, which callers retry with backoff.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
-import aiohttp
-from kubernetes_asyncio import client, config, watch
-from kubernetes_asyncio.client.exceptions import ApiException
+import httpx2
+from lightkube import AsyncClient
+from lightkube.config.kubeconfig import KubeConfig
+from lightkube.core import exceptions as lightkube_errors
+from lightkube.operators import BinaryOperator, SequenceOperator
+from lightkube.resources.core_v1 import Node as _Node
+from lightkube.resources.resource_v1 import ResourceClaim as _Claim
+from lightkube.resources.resource_v1 import ResourceSlice as _Slice
+from lightkube.types import PatchType
+from pydantic import ValidationError
 
-from gpuppetti.kubeobjects import ResourceClaim, ResourceClaimList, ResourceSlice, ResourceSliceBody
+from gpuppetti.kubeobjects import Node, ResourceClaim, ResourceSlice, ResourceSliceBody
 
 log = logging.getLogger(__name__)
 
-RESOURCE_GROUP = "resource.k8s.io"
-RESOURCE_VERSION = "v1"
-SLICES = "resourceslices"
 # One request, connect to last byte: a hung API server must not hold a kubelet call (45 s) or a lock.
 REQUEST_TIMEOUT_S = 10.0
-CONNECTIONS = 64
+# A watch is ended by the server after this long, and started again by its caller.
 WATCH_TIMEOUT_S = 300
+FIELD_MANAGER = "gpuppetti"
+
+T = TypeVar("T")
 
 
 class ApiError(Exception):
-    """The API server refused a request, or could not be reached. ``status`` is None when there was no answer."""
+    """The API server refused a request, could not be reached, or answered something that is not what was asked
+    for. ``status`` is None when there was no answer."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -46,162 +53,150 @@ class NotFound(ApiError):
     pass
 
 
-def _proxy_for(host: str) -> str | None:
-    """The proxy the environment names for ``host`` (HTTPS_PROXY, honouring NO_PROXY), read once."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(host)
-    if parts.hostname and urllib.request.proxy_bypass(parts.hostname):
-        return None
-    return urllib.request.getproxies().get(parts.scheme or "https")
+class ConfigError(Exception):
+    """No API server can be configured from what was given; the message says why."""
 
 
-class _Plain(dict[str, Any]):
-    """A request body made of JSON's own types, as the driver builds its slices: nothing to sanitise."""
-
-
-class _ApiClient(client.ApiClient):
-    """The client, except that it sends a body it is told is plain as it is: sanitising walks every value of a
-    slice of 128 devices in Python, which cost more than the request itself."""
-
-    def sanitize_for_serialization(self, obj: Any) -> Any:
-        if isinstance(obj, _Plain):
-            return obj
-        return super().sanitize_for_serialization(obj)
-
-
-async def api_client(kubeconfig: Path | None) -> client.ApiClient:
-    """A client for ``kubeconfig``, or the in-cluster service account when none is given."""
-    configuration = client.Configuration()
-    if kubeconfig is not None:
-        await config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
-    else:
-        config.load_incluster_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = CONNECTIONS
-    if configuration.proxy is None:
-        configuration.proxy = _proxy_for(configuration.host or "")
-    api = _ApiClient(configuration)
-    rest = api.rest_client
-    session = rest.pool_manager
-    # Same connector (TLS, pool), without the per-request environment look-ups.
-    rest.pool_manager = aiohttp.ClientSession(connector=session.connector, trust_env=False, read_bufsize=2**21)
-    session.detach()
-    return api
-
-
-def _error(exc: Exception, what: str, timeout: float = REQUEST_TIMEOUT_S) -> ApiError:
-    if isinstance(exc, ApiException):
-        status = exc.status or None
+def _error(exc: BaseException, what: str, timeout: float) -> ApiError:
+    if isinstance(exc, lightkube_errors.ApiError):
+        status = exc.status.code or exc.response.status_code
         kind = NotFound if status == 404 else ApiError
-        return kind(f"{what}: {exc.status} {exc.reason}", status)
-    if isinstance(exc, TimeoutError):
+        return kind(f"{what}: {status} {exc.status.message or exc.status.reason or ''}".rstrip(), status)
+    if isinstance(exc, httpx2.HTTPStatusError):
+        # An answer that is not the API's own Status (a proxy's, say).
+        status = exc.response.status_code
+        kind = NotFound if status == 404 else ApiError
+        return kind(f"{what}: {status} {exc.response.reason_phrase}", status)
+    if isinstance(exc, httpx2.TimeoutException | TimeoutError):
         return ApiError(f"{what}: no answer within {timeout:g}s")
+    if isinstance(exc, ValidationError):
+        return ApiError(f"{what}: the answer is not what was asked for ({exc.error_count()} error(s): "
+                        f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']})")
     return ApiError(f"{what}: {exc or type(exc).__name__}")
 
 
-def _version(answer: bytes, name: str) -> str:
-    """The resourceVersion of a written slice. Only its metadata is parsed: the API echoes 128 devices back."""
+# What can go wrong talking to the API: a refusal, a timeout, a cut connection, an answer that is not what it says.
+FAILURES = (lightkube_errors.ApiError, httpx2.HTTPError, TimeoutError, OSError, ValueError, TypeError, KeyError,
+            AttributeError, lightkube_errors.LoadResourceError)
+
+
+def load_config(kubeconfig: Path | None) -> KubeConfig:
+    """The API server from ``kubeconfig``, or the in-cluster service account when none is given."""
     try:
-        version = ResourceSlice.model_validate_json(answer).metadata.resource_version
-    except ValueError as exc:
-        raise ApiError(f"writing ResourceSlice {name}: the answer is not a ResourceSlice ({exc})") from None
-    if not version:
-        raise ApiError(f"writing ResourceSlice {name}: the answer has no resourceVersion")
-    return version
+        if kubeconfig is not None:
+            return KubeConfig.from_file(kubeconfig)
+        return KubeConfig.from_service_account()
+    except (lightkube_errors.ConfigError, OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(str(exc) or type(exc).__name__) from None
 
 
-# What can go wrong talking to the API: a refusal, a timeout, a cut connection, a body that is not what it says.
-FAILURES = (ApiException, TimeoutError, aiohttp.ClientError, OSError, ValueError)
+def _fields(node: str, driver: str) -> dict[str, str | BinaryOperator | SequenceOperator]:
+    return {"spec.nodeName": node, "spec.driver": driver}
+
+
+def _slice_object(body: ResourceSliceBody) -> _Slice:
+    return cast(_Slice, _Slice.from_dict(dict(body)))
+
+
+def _as_dict(found: Any) -> dict[str, Any]:
+    """A lightkube object as JSON's types, for a model of kubeobjects to validate."""
+    converted: dict[str, Any] = found.to_dict()
+    return converted
 
 
 class Kube:
-    """The typed operations the driver needs, each bounded by ``timeout``; failures raise ApiError."""
+    """The typed operations the daemons need, each bounded by ``timeout``; every failure raises ApiError."""
 
-    def __init__(self, api: client.ApiClient, timeout: float = REQUEST_TIMEOUT_S) -> None:
-        self.api = api
+    def __init__(self, config: KubeConfig, timeout: float = REQUEST_TIMEOUT_S) -> None:
         self._timeout = timeout
-        self._custom = client.CustomObjectsApi(api)
-        self._resource = client.ResourceV1Api(api)
-        self._core = client.CoreV1Api(api)
+        # The proxy environment is read once here, not on every request.
+        self._client = AsyncClient(config, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER)
 
-    async def _raw(self, call: Any, *args: Any, what: str, **kwargs: Any) -> bytes:
+    async def _call(self, what: str, call: Awaitable[T]) -> T:
         try:
-            response = await call(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
-            try:
-                body: bytes = await response.read()
-            finally:
-                response.release()
+            return await call
         except FAILURES as exc:
             raise _error(exc, what, self._timeout) from None
-        if not 200 <= response.status <= 299:
-            kind = NotFound if response.status == 404 else ApiError
-            message = body[:300].decode(errors="replace")
-            with_reason = message
-            with contextlib.suppress(ValueError):
-                with_reason = str(json.loads(body).get("message", message))
-            raise kind(f"{what}: {response.status} {with_reason}", response.status)
-        return body
+        except ValidationError as exc:
+            raise _error(exc, what, self._timeout) from None
+
+    async def _typed(self, what: str, call: Awaitable[Any], kind: type[T]) -> T:
+        found = await self._call(what, call)
+        try:
+            return kind.model_validate(_as_dict(found))  # type: ignore[attr-defined,no-any-return]
+        except (ValidationError, AttributeError, TypeError, ValueError) as exc:
+            raise _error(exc, what, self._timeout) from None
 
     async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
-        what = f"reading ResourceClaim {namespace}/{name}"
-        body = await self._raw(self._resource.read_namespaced_resource_claim, name, namespace, what=what)
-        try:
-            return ResourceClaim.model_validate_json(body)
-        except ValueError as exc:
-            raise ApiError(f"{what}: the answer is not a ResourceClaim ({exc})") from None
+        return await self._typed(f"reading ResourceClaim {namespace}/{name}",
+                                 self._client.get(_Claim, name, namespace=namespace), ResourceClaim)
 
     async def list_claims(self, namespace: str) -> dict[str, ResourceClaim]:
         """Every ResourceClaim of ``namespace``, by name: one request where a kubelet call names many."""
         what = f"listing the ResourceClaims of namespace {namespace}"
-        body = await self._raw(self._resource.list_namespaced_resource_claim, namespace, what=what)
-        try:
-            listed = ResourceClaimList.model_validate_json(body)
-        except ValueError as exc:
-            raise ApiError(f"{what}: the answer is not a ResourceClaimList ({exc})") from None
-        return {claim.metadata.name: claim for claim in listed.items}
+
+        async def listed() -> dict[str, ResourceClaim]:
+            found = {}
+            async for item in self._client.list(_Claim, namespace=namespace):
+                claim = ResourceClaim.model_validate(_as_dict(item))
+                found[claim.metadata.name] = claim
+            return found
+
+        return await self._call(what, listed())
 
     async def node_uid(self, node: str) -> str:
-        body = await self._raw(self._core.read_node, node, what=f"reading Node {node}")
-        uid = json.loads(body).get("metadata", {}).get("uid")
-        if not isinstance(uid, str):
+        found = await self._typed(f"reading Node {node}", self._client.get(_Node, node), Node)
+        if not found.metadata.uid:
             raise ApiError(f"reading Node {node}: the answer has no uid")
-        return uid
+        return found.metadata.uid
 
-    async def list_slices(self, selector: str) -> list[ResourceSlice]:
-        body = await self._raw(self._custom.list_cluster_custom_object, RESOURCE_GROUP, RESOURCE_VERSION, SLICES,
-                               field_selector=selector, what="listing ResourceSlices")
-        items = json.loads(body).get("items") or []
-        return [ResourceSlice.model_validate(item) for item in items]
+    async def node_labels(self, node: str) -> dict[str, str]:
+        found = await self._typed(f"reading Node {node}", self._client.get(_Node, node), Node)
+        return dict(found.metadata.labels or {})
+
+    async def label_node(self, node: str, labels: dict[str, str | None]) -> None:
+        """Set (a value) and remove (None) labels of ``node``, by a merge patch."""
+        await self._call(f"labelling Node {node}", self._client.patch(
+            _Node, node, {"metadata": {"labels": labels}}, patch_type=PatchType.MERGE))
+
+    async def list_slices(self, node: str, driver: str) -> list[ResourceSlice]:
+        """The ResourceSlices of ``driver`` on ``node``."""
+        async def listed() -> list[ResourceSlice]:
+            return [ResourceSlice.model_validate(_as_dict(item))
+                    async for item in self._client.list(_Slice, fields=_fields(node, driver))]
+
+        return await self._call("listing ResourceSlices", listed())
 
     async def create_slice(self, body: ResourceSliceBody) -> str:
         """Create a slice; returns its resourceVersion."""
-        answer = await self._raw(self._custom.create_cluster_custom_object, RESOURCE_GROUP, RESOURCE_VERSION,
-                                 SLICES, _Plain(body), what=f"creating ResourceSlice {body['metadata']['name']}")
-        return _version(answer, body["metadata"]["name"])
+        name = body["metadata"]["name"]
+        return await self._version(f"creating ResourceSlice {name}", self._client.create(_slice_object(body)))
 
     async def replace_slice(self, name: str, body: ResourceSliceBody) -> str:
-        answer = await self._raw(self._custom.replace_cluster_custom_object, RESOURCE_GROUP, RESOURCE_VERSION,
-                                 SLICES, name, _Plain(body), what=f"updating ResourceSlice {name}")
-        return _version(answer, name)
+        return await self._version(f"updating ResourceSlice {name}", self._client.replace(_slice_object(body)))
+
+    async def _version(self, what: str, call: Awaitable[_Slice]) -> str:
+        """The resourceVersion of a written slice. Only its metadata is read: the API echoes 128 devices back."""
+        written = await self._call(what, call)
+        version = getattr(written.metadata, "resourceVersion", None)
+        if not isinstance(version, str) or not version:
+            raise ApiError(f"{what}: the answer has no resourceVersion")
+        return version
 
     async def delete_slice(self, name: str) -> None:
         with contextlib.suppress(NotFound):
-            await self._raw(self._custom.delete_cluster_custom_object, RESOURCE_GROUP, RESOURCE_VERSION, SLICES, name,
-                            what=f"deleting ResourceSlice {name}")
+            await self._call(f"deleting ResourceSlice {name}", self._client.delete(_Slice, name))
 
-    async def watch_slices(self, selector: str) -> AsyncIterator[tuple[str, str, str]]:
+    async def watch_slices(self, node: str, driver: str) -> AsyncIterator[tuple[str, str, str]]:
         """(event type, slice name, resourceVersion) for this node's slices, until the watch ends. Raises ApiError
         when it breaks: the caller watches again."""
         try:
-            async with watch.Watch() as stream:
-                async for event in stream.stream(
-                    self._custom.list_cluster_custom_object, RESOURCE_GROUP, RESOURCE_VERSION, SLICES,
-                    field_selector=selector, timeout_seconds=WATCH_TIMEOUT_S,
-                ):
-                    meta = (event.get("object") or {}).get("metadata") or {}
-                    yield str(event.get("type")), str(meta.get("name")), str(meta.get("resourceVersion"))
+            async for event, item in self._client.watch(_Slice, fields=_fields(node, driver),
+                                                        server_timeout=WATCH_TIMEOUT_S):
+                meta = item.metadata
+                yield str(event), str(getattr(meta, "name", "")), str(getattr(meta, "resourceVersion", ""))
         except FAILURES as exc:
-            raise _error(exc, "watching ResourceSlices") from None
+            raise _error(exc, "watching ResourceSlices", self._timeout) from None
 
     async def close(self) -> None:
-        await self.api.close()
+        await self._client.close()

@@ -39,6 +39,12 @@ class ObjectMeta(_Object):
     owner_references: list[OwnerReference] | None = None
 
 
+class Node(_Object):
+    """What the daemons read of a Node: its uid (the slices' owner) and labels."""
+
+    metadata: ObjectMeta
+
+
 # -- ResourceClaim (read) --------------------------------------------------------------------------------------
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any
 
 from gpuppetti.backoff import Backoff
 from gpuppetti.inventory import Inventory, Snapshot
+from gpuppetti.kube import ApiError, Kube
 from gpuppetti.sharing.edits import sharing_mode
 
 log = logging.getLogger(__name__)
@@ -53,22 +53,20 @@ def node_labels(inventory: Snapshot) -> dict[str, str]:
 class NodeLabeler:
     """Keeps this node's gpuppetti.dev/ labels equal to the inventory, and removes them when the GPUs go."""
 
-    def __init__(self, api: Any, inventory: Inventory, node: str) -> None:
-        from kubernetes_asyncio import client
-
-        self._api = api
-        self._core = client.CoreV1Api(api)
+    def __init__(self, kube: Kube, inventory: Inventory, node: str) -> None:
+        self._kube = kube
         self._inventory = inventory
         self.node = node
 
     async def sync(self, wanted: dict[str, str] | None = None) -> None:
-        found = await self._core.read_node(self.node)
-        current = {k: v for k, v in (found.metadata.labels or {}).items() if k.startswith(PREFIX)}
+        """Raises ApiError."""
+        found = await self._kube.node_labels(self.node)
+        current = {k: v for k, v in found.items() if k.startswith(PREFIX)}
         wanted = node_labels(self._inventory.snapshot) if wanted is None else wanted
         patch: dict[str, str | None] = {k: v for k, v in wanted.items() if current.get(k) != v}
         patch.update({k: None for k in current if k not in wanted})
         if patch:
-            await self._core.patch_node(self.node, {"metadata": {"labels": patch}})
+            await self._kube.label_node(self.node, patch)
             log.info("labelled node %s: %s", self.node,
                      ", ".join(f"{k}={v}" if v is not None else f"-{k}" for k, v in sorted(patch.items())))
 
@@ -81,7 +79,7 @@ class NodeLabeler:
                 try:
                     await self.sync()
                     backoff.reset()
-                except Exception as exc:  # the API being away must not stop the plugin
+                except ApiError as exc:  # the API being away must not stop the plugin
                     delay = backoff.next()
                     log.warning("labelling node %s failed (%s); retrying in %.0fs", self.node, exc, delay)
                     await asyncio.sleep(delay)
@@ -89,13 +87,13 @@ class NodeLabeler:
                 await self._inventory.wait_for_change(seen)
         finally:
             await self.clear()
-            await self._api.close()
+            await self._kube.close()
 
     async def clear(self) -> None:
         """Remove this node's labels when the plugin stops: a node whose plugin is gone serves no GPU."""
         try:
             async with asyncio.timeout(CLEAR_TIMEOUT_S):
                 await self.sync(wanted={})
-        except Exception as exc:  # stopping must not fail because the API is away
+        except (ApiError, TimeoutError) as exc:  # stopping must not fail because the API is away
             log.warning("could not remove the labels of node %s (%s); they stay until the plugin runs again",
                         self.node, exc)

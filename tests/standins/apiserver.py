@@ -60,10 +60,15 @@ class ApiError(Exception):
         self.code, self.reason, self.message = code, reason, message
 
     def response(self) -> web.Response:
-        return web.json_response({
+        return _json({
             "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": self.message, "reason": self.reason, "code": self.code,
         }, status=self.code)
+
+
+def _json(document: Any, status: int = 200) -> web.Response:
+    # As the API server sends it: exactly application/json, no charset (clients compare the header whole).
+    return web.Response(body=json.dumps(document).encode(), status=status, headers={"Content-Type": "application/json"})
 
 
 def _path_value(obj: dict[str, Any], dotted: str) -> Any:
@@ -335,18 +340,18 @@ class ApiStandIn:
             if request.method == "GET" and name is None:
                 if request.query.get("watch", "").lower() in ("true", "1"):
                     return await self._watch(request, kind, namespace, garbage=action == "garbage")
-                return web.json_response(self._list(request, kind, namespace))
+                return _json(self._list(request, kind, namespace))
             if request.method == "GET":
-                return web.json_response(self._get(kind, namespace, name or ""))
+                return _json(self._get(kind, namespace, name or ""))
             if request.method == "POST" and name is None:
-                return web.json_response(await self._create(kind, namespace, await self._body(request)), status=201)
+                return _json(await self._create(kind, namespace, await self._body(request)), status=201)
             if request.method == "PUT" and name is not None:
                 body = await self._body(request)
-                return web.json_response(await self._update(kind, namespace, name, body, sub == "status"))
+                return _json(await self._update(kind, namespace, name, body, sub == "status"))
             if request.method == "PATCH" and name is not None:
-                return web.json_response(await self._patch(request, kind, namespace, name, sub == "status"))
+                return _json(await self._patch(request, kind, namespace, name, sub == "status"))
             if request.method == "DELETE" and name is not None:
-                return web.json_response(await self._delete(kind, namespace, name))
+                return _json(await self._delete(kind, namespace, name))
             raise ApiError(405, "MethodNotAllowed", f"{request.method} is not supported on {request.path}")
         except ApiError as exc:
             return exc.response()

@@ -1,115 +1,129 @@
-"""The API stand-in behaves like an API server where clients depend on it, seen through the real client."""
+"""The API stand-in behaves like an API server where clients depend on it, seen through the real client (lightkube,
+the one gpuppetti.kube uses)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
+import httpx2
 import pytest
-from kubernetes_asyncio import client, watch
-from kubernetes_asyncio.client.exceptions import ApiException
+from lightkube import AsyncClient
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.core_v1 import Node
+from lightkube.resources.resource_v1 import ResourceClaim as Claim
+from lightkube.resources.resource_v1 import ResourceSlice as Slice
+from lightkube.types import PatchType
 
-from gpuppetti.kube import api_client
+from gpuppetti.kube import load_config
 from tests.standins.apiserver import ApiStandIn
 
-GROUP, VERSION = "resource.k8s.io", "v1"
 
-
-def _slice(name: str, node: str = "n1") -> dict[str, object]:
+def _slice(name: str, node: str = "n1") -> dict[str, Any]:
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": name},
             "spec": {"driver": "d.example.com", "nodeName": node, "pool": {"name": node, "generation": 1,
                                                                           "resourceSliceCount": 1}}}
 
 
+Api = tuple[ApiStandIn, AsyncClient]
+
+
+def as_slice(document: dict[str, Any]) -> Slice:
+    return cast(Slice, Slice.from_dict(document))
+
+
+def as_claim(document: dict[str, Any]) -> Claim:
+    return cast(Claim, Claim.from_dict(document))
+
+
+def as_claim_status(document: dict[str, Any]) -> Any:
+    return Claim.Status.from_dict(document)
+
+
+async def _connected(standin: ApiStandIn, directory: Path) -> AsyncClient:
+    (directory / "kubeconfig").write_text(standin.kubeconfig())
+    return AsyncClient(load_config(directory / "kubeconfig"), field_manager="test")
+
+
 @pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[tuple[ApiStandIn, client.CustomObjectsApi, client.CoreV1Api]]:
+async def api(tmp_path: Path) -> AsyncIterator[Api]:
     standin = ApiStandIn()
     await standin.start()
-    (tmp_path / "kubeconfig").write_text(standin.kubeconfig())
-    kube = await api_client(tmp_path / "kubeconfig")
-    yield standin, client.CustomObjectsApi(kube), client.CoreV1Api(kube)
-    await kube.close()
+    client = await _connected(standin, tmp_path)
+    yield standin, client
+    await client.close()
     await standin.stop()
 
 
-Api = tuple[ApiStandIn, client.CustomObjectsApi, client.CoreV1Api]
-
-
 async def test_resource_versions_and_conflicts(api: Api) -> None:
-    _, custom, _ = api
-    created = await custom.create_cluster_custom_object(GROUP, VERSION, "resourceslices", _slice("a"))
+    _, client = api
+    created = (await client.create(as_slice(_slice("a")))).to_dict()
     first = created["metadata"]["resourceVersion"]
     assert created["metadata"]["uid"]
-    with pytest.raises(ApiException) as exists:
-        await custom.create_cluster_custom_object(GROUP, VERSION, "resourceslices", _slice("a"))
-    assert exists.value.status == 409
+    with pytest.raises(ApiError) as exists:
+        await client.create(as_slice(_slice("a")))
+    assert exists.value.status.code == 409
     created["spec"]["pool"]["generation"] = 2
-    updated = await custom.replace_cluster_custom_object(GROUP, VERSION, "resourceslices", "a", created)
+    updated = (await client.replace(as_slice(created))).to_dict()
     assert int(updated["metadata"]["resourceVersion"]) > int(first)
     assert updated["metadata"]["generation"] == 2
     created["metadata"]["resourceVersion"] = first  # stale
-    with pytest.raises(ApiException) as conflict:
-        await custom.replace_cluster_custom_object(GROUP, VERSION, "resourceslices", "a", created)
-    assert conflict.value.status == 409
-    await custom.delete_cluster_custom_object(GROUP, VERSION, "resourceslices", "a")
-    with pytest.raises(ApiException) as gone:
-        await custom.get_cluster_custom_object(GROUP, VERSION, "resourceslices", "a")
-    assert gone.value.status == 404
+    with pytest.raises(ApiError) as conflict:
+        await client.replace(as_slice(created))
+    assert conflict.value.status.code == 409
+    await client.delete(Slice, "a")
+    with pytest.raises(ApiError) as gone:
+        await client.get(Slice, "a")
+    assert gone.value.status.code == 404
 
 
-async def test_field_selectors_and_watch_replay(
-    api: tuple[ApiStandIn, client.CustomObjectsApi, client.CoreV1Api]
-) -> None:
-    standin, custom, _ = api
-    await custom.create_cluster_custom_object(GROUP, VERSION, "resourceslices", _slice("mine", "n1"))
-    await custom.create_cluster_custom_object(GROUP, VERSION, "resourceslices", _slice("theirs", "n2"))
-    listing = await custom.list_cluster_custom_object(GROUP, VERSION, "resourceslices",
-                                                      field_selector="spec.nodeName=n1")
-    assert [i["metadata"]["name"] for i in listing["items"]] == ["mine"]
-    since = listing["metadata"]["resourceVersion"]
+async def test_field_selectors_and_watch_replay(api: Api) -> None:
+    standin, client = api
+    await client.create(as_slice(_slice("mine", "n1")))
+    await client.create(as_slice(_slice("theirs", "n2")))
+    listing = [item.to_dict() async for item in client.list(Slice, fields={"spec.nodeName": "n1"})]
+    assert [i["metadata"]["name"] for i in listing] == ["mine"]
+    since = listing[0]["metadata"]["resourceVersion"]
     await standin.delete("resourceslices", "mine")
     await standin.delete("resourceslices", "theirs")
     events = []
-    async with watch.Watch() as stream:
-        async for event in stream.stream(custom.list_cluster_custom_object, GROUP, VERSION, "resourceslices",
-                                         field_selector="spec.nodeName=n1", resource_version=since,
-                                         timeout_seconds=1):
-            events.append((event["type"], event["object"]["metadata"]["name"]))
+    async for event, item in client.watch(Slice, fields={"spec.nodeName": "n1"}, resource_version=since,
+                                          server_timeout=1):
+        assert item.metadata is not None
+        events.append((event, item.metadata.name))
+        break
     assert events == [("DELETED", "mine")]
 
 
-async def test_too_old_resource_version_is_gone(
-    api: tuple[ApiStandIn, client.CustomObjectsApi, client.CoreV1Api]
-) -> None:
-    standin, custom, _ = api
+async def test_too_old_resource_version_is_gone(api: Api) -> None:
+    standin, client = api
     from tests.standins import apiserver
 
     for n in range(apiserver.HISTORY + 5):
         await standin.create("resourceslices", _slice(f"s{n}"))
-    with pytest.raises(ApiException) as expired:
-        await custom.list_cluster_custom_object(GROUP, VERSION, "resourceslices", watch=True, resource_version="1",
-                                                timeout_seconds=1)
-    assert expired.value.status == 410
+    # lightkube raises a watch's refusal as the HTTP error it is.
+    with pytest.raises(httpx2.HTTPStatusError) as expired:
+        async for _ in client.watch(Slice, resource_version="1", server_timeout=1):
+            pass
+    assert expired.value.response.status_code == 410
 
 
-async def test_status_subresource_and_merge_patch(
-    api: tuple[ApiStandIn, client.CustomObjectsApi, client.CoreV1Api]
-) -> None:
-    standin, custom, core = api
+async def test_status_subresource_and_merge_patch(api: Api) -> None:
+    standin, client = api
     await standin.create("nodes", {"apiVersion": "v1", "kind": "Node",
                                    "metadata": {"name": "n1", "labels": {"a": "1"}}})
-    await core.patch_node("n1", {"metadata": {"labels": {"b": "2", "a": None}}})
+    await client.patch(Node, "n1", {"metadata": {"labels": {"b": "2", "a": None}}}, patch_type=PatchType.MERGE)
     node = standin.get("nodes", "n1")
     assert node is not None and node["metadata"]["labels"] == {"b": "2"}
     claim = await standin.create("resourceclaims", {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "c", "namespace": "ns"},
         "spec": {"devices": {"requests": []}}}, "ns")
     claim["status"] = {"allocation": {"devices": {"results": []}}}
-    replaced = await custom.replace_namespaced_custom_object(GROUP, VERSION, "ns", "resourceclaims", "c", claim)
+    replaced = (await client.replace(as_claim(claim))).to_dict()
     assert "status" not in replaced, "the main resource cannot write the status"
     replaced["status"] = {"allocation": {"devices": {"results": []}}}
-    with_status = await custom.replace_namespaced_custom_object_status(GROUP, VERSION, "ns", "resourceclaims", "c",
-                                                                       replaced)
+    with_status: dict[str, Any] = (await client.replace(as_claim_status(replaced))).to_dict()
     assert with_status["status"] == {"allocation": {"devices": {"results": []}}}
 
 
@@ -119,14 +133,12 @@ async def test_a_validator_rejects_with_422(tmp_path: Path) -> None:
 
     standin = ApiStandIn(validate=refuse)
     await standin.start()
-    (tmp_path / "kubeconfig").write_text(standin.kubeconfig())
-    kube = await api_client(tmp_path / "kubeconfig")
+    client = await _connected(standin, tmp_path)
     try:
-        with pytest.raises(ApiException) as invalid:
-            await client.CustomObjectsApi(kube).create_cluster_custom_object(GROUP, VERSION, "resourceslices",
-                                                                             _slice("x"))
-        assert invalid.value.status == 422 and "too many" in str(invalid.value.body)
+        with pytest.raises(ApiError) as invalid:
+            await client.create(as_slice(_slice("x")))
+        assert invalid.value.status.code == 422 and "too many" in str(invalid.value.status.message)
         assert len(standin.rejected) == 1
     finally:
-        await kube.close()
+        await client.close()
         await standin.stop()

@@ -80,14 +80,14 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
 
     labelling = options.labelling
     if labelling is not None:
-        from gpuppetti.kube import api_client
+        from gpuppetti.kube import ConfigError, Kube, load_config
         from gpuppetti.labels import NodeLabeler
 
         try:
-            api = await api_client(labelling.kubeconfig)
-        except Exception as exc:
+            config = load_config(labelling.kubeconfig)
+        except ConfigError as exc:
             raise StartupError(f"--label-node cannot configure the Kubernetes API client: {exc}") from exc
-        runtime.spawn("node-labels", NodeLabeler(api, inventory, labelling.node).run())
+        runtime.spawn("node-labels", NodeLabeler(Kube(config), inventory, labelling.node).run())
 
     for name, duty in monitor.duties():
         runtime.spawn(name, duty)

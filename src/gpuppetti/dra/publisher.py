@@ -53,9 +53,6 @@ class SlicePublisher:
     def driver(self) -> str:
         return self._inventory.config.dra.driver_name
 
-    def _selector(self) -> str:
-        return f"spec.nodeName={self.node},spec.driver={self.driver}"
-
     async def wait_registered(self) -> None:
         if self._registered is not None and not self._registered.is_set():
             log.info("waiting for the kubelet to register the driver before publishing ResourceSlices")
@@ -104,7 +101,7 @@ class SlicePublisher:
 
     async def reconcile(self) -> None:
         owner = await self._owner_reference()
-        existing = {item.metadata.name: item for item in await self._kube.list_slices(self._selector())}
+        existing = {item.metadata.name: item for item in await self._kube.list_slices(self.node, self.driver)}
         content = self._wanted or pool_content(self._inventory.snapshot, self.node)
         if content != self._content:
             known = [item.spec.pool.generation for item in existing.values()]
@@ -158,7 +155,7 @@ class SlicePublisher:
         backoff = Backoff(0.2, RETRY_MAX_S)
         while True:
             try:
-                async for kind, name, version in self._kube.watch_slices(self._selector()):
+                async for kind, name, version in self._kube.watch_slices(self.node, self.driver):
                     backoff.reset()
                     if kind != "DELETED" and name in self._in_flight:
                         continue

@@ -26,7 +26,7 @@ from gpuppetti.fsutil import make_directory
 from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.instancelock import InstanceLock
 from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
-from gpuppetti.kube import REQUEST_TIMEOUT_S, Kube, api_client
+from gpuppetti.kube import REQUEST_TIMEOUT_S, ConfigError, Kube, load_config
 from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.report import gpu_records
@@ -139,11 +139,11 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     await lock.acquire()
 
     try:
-        api = await api_client(options.kubeconfig)
-    except Exception as exc:
+        config = load_config(options.kubeconfig)
+    except ConfigError as exc:
         where = options.kubeconfig or "the in-cluster service account"
-        raise StartupError(f"cannot configure the Kubernetes API client from {where}: {exc}") from exc
-    kube = Kube(api, options.api_timeout)
+        raise StartupError(f"cannot configure the Kubernetes API client from {where}: {exc}") from None
+    kube = Kube(config, options.api_timeout)
 
     checkpoint = Checkpoint(plugin_dir / CHECKPOINT_FILE)
     try:
