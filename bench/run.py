@@ -294,7 +294,7 @@ async def bench_list_building(figures: list[Figure]) -> None:
         for n in range(20):
             # As after a health event: one GPU changed, and the whole list goes to the kubelet again.
             health = Health.UNHEALTHY if n % 2 == 0 else Health.HEALTHY
-            await inventory.set_health(plan.units[0].gpu_id, health)
+            inventory.set_health(plan.units[0].gpu_id, health)
             began = time.perf_counter()
             inventory.snapshot.device_list(APPLE)
             samples.append(time.perf_counter() - began)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
-from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME
+from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Health, Vendor
 from gpuppetti.nodepaths import DEFAULT_HOST_AGENT_TOKEN_FILE
 from gpuppetti.quantity import parse_bytes, parse_duration
 from gpuppetti.strict import Strict, problems
@@ -71,18 +71,21 @@ BACKENDS = ("auto", "simulated", "drm", "nvml", "macos")
 BackendName = Literal["auto", "simulated", "drm", "nvml", "macos"]
 # NVIDIA's list of XIDs caused by applications rather than the GPU (its health monitor ignores them too).
 APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)
-VendorName = Literal["apple", "nvidia", "amd", "intel", "virtio", "other"]
-HealthName = Literal["Healthy", "Unhealthy"]
+# The model's own enumerations, read from YAML's strings (strict mode takes only enum members from Python).
+VendorName = Annotated[Vendor, Field(strict=False)]
+HealthName = Annotated[Health, Field(strict=False)]
+# Which units to prefer for a request (sharing/policy.py): spread over GPUs, or packed onto as few as possible.
+AllocationPolicy = Literal["distributed", "packed"]
 
 
 class SimulatedGpu(Strict):
     model: str = Field(min_length=1)
-    vendor: VendorName = "other"
+    vendor: VendorName = Vendor.OTHER
     cores: int | None = Field(default=None, ge=1)
     memory: Bytes | None = None
     count: int = Field(default=1, ge=1, le=4096)
     numa_node: int | None = Field(default=None, ge=0)
-    health: HealthName = "Healthy"
+    health: HealthName = Health.HEALTHY
 
 
 class SimulatedSection(Strict):
@@ -154,12 +157,6 @@ class ReplicatedResource(Strict):
             raise ValueError("give exactly one of replicas and replicasPerCores")
         return self
 
-    def replicas_for(self, cores: int | None) -> int:
-        if self.replicas is not None:
-            return self.replicas
-        assert self.replicas_per_cores is not None
-        return max(1, (cores or 0) // self.replicas_per_cores)
-
 
 class TimeSlicing(Strict):
     rename_by_default: bool = False
@@ -224,7 +221,7 @@ def _default_strategies() -> list[DeviceListStrategy]:
 
 
 class PluginSection(Strict):
-    allocation_policy: Literal["distributed", "packed"] = "distributed"
+    allocation_policy: AllocationPolicy = "distributed"
     # envvar: env vars and device nodes in the Allocate response. cdi-cri: CDI device names in its cdi_devices
     # field (Kubernetes 1.28+). cdi-annotations: the same names as cdi.k8s.io/ annotations, for older runtimes.
     device_list_strategy: Annotated[list[DeviceListStrategy], BeforeValidator(_strategies)] = Field(

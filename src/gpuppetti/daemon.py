@@ -65,6 +65,11 @@ def nothing_found(found: Discovered) -> str:
     return "no GPUs found; looked at:\n  " + "\n  ".join([*found.skipped, *looked_at(found.backends)])
 
 
+def where_looked(found: Discovered) -> str:
+    """Where discovery looked and what each backend found, on one line (for /healthz)."""
+    return "; ".join(looked_at(found.backends))
+
+
 def describe(gpus: list[Gpu]) -> str:
     return ", ".join(f"{gpu.id} ({gpu.model})" for gpu in gpus)
 
@@ -113,7 +118,7 @@ async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor)
             log.error("config reload refused; keeping the previous config: %s: %s cannot change while the "
                       "process runs (restart it to change it)", found.config.source, field)
             return
-        await inventory.replace(found.config, found.gpus)
+        inventory.replace(found.config, found.gpus)
         warn_about_config(found.config, found.gpus)
     except (ConfigError, BackendUnavailable) as exc:
         log.error("config reload failed; keeping the previous config:\n%s", exc)

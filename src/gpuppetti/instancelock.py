@@ -67,8 +67,3 @@ class InstanceLock:
             waited += POLL_S
         if waited:
             log.info("the other instance stopped; this %s takes over %s", self.what, self.directory)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

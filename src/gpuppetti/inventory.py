@@ -104,7 +104,7 @@ class Inventory:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    async def replace(self, config: Config, gpus: Iterable[Gpu]) -> None:
+    def replace(self, config: Config, gpus: Iterable[Gpu]) -> None:
         """Swap in a new config and GPU list. Raises ConfigError, leaving the old state, if they do not fit."""
         new_gpus = {gpu.id: gpu for gpu in gpus}
         current = self._snapshot
@@ -114,10 +114,10 @@ class Inventory:
             return
         self._publish(config, new_gpus)
 
-    async def update_gpus(self, gpus: Iterable[Gpu]) -> None:
-        await self.replace(self._snapshot.config, gpus)
+    def update_gpus(self, gpus: Iterable[Gpu]) -> None:
+        self.replace(self._snapshot.config, gpus)
 
-    async def set_health(self, gpu_id: str, health: Health, reason: str = "") -> bool:
+    def set_health(self, gpu_id: str, health: Health, reason: str = "") -> bool:
         """Mark one GPU; returns whether anything changed."""
         gpu = self._snapshot.gpus.get(gpu_id)
         if gpu is None or gpu.health == health:

@@ -27,14 +27,14 @@ def label_value(text: str) -> str:
     return value.strip("-._")
 
 
-def node_labels(inventory: Snapshot) -> dict[str, str]:
+def node_labels(snapshot: Snapshot) -> dict[str, str]:
     """The labels for the node's first GPU (lowest index, then id), and how many there are. Empty without GPUs."""
-    gpus = sorted(inventory.gpus.values(), key=lambda g: (g.index, g.id))
+    gpus = sorted(snapshot.gpus.values(), key=lambda g: (g.index, g.id))
     if not gpus:
         return {}
     first = gpus[0]
     same = [g for g in gpus if g.vendor is first.vendor and g.model == first.model]
-    units = [u for plan in inventory.plan.values() for u in plan.units if u.gpu_id == first.id]
+    units = [u for plan in snapshot.plan.values() for u in plan.units if u.gpu_id == first.id]
     labels = {
         "present": "true",
         "vendor": first.vendor.value,

@@ -111,7 +111,7 @@ class HealthMonitor:
                 log.warning("GPU %s (%s) vanished; marking it Unhealthy", gpu_id, gpu.model)
             result.append(dataclasses.replace(gpu, health=Health.UNHEALTHY))
         try:
-            await self._inventory.update_gpus(result)
+            self._inventory.update_gpus(result)
         except ConfigError as exc:
             log.error("the GPUs changed, but the sharing config does not fit them; keeping the old list:\n%s", exc)
 
@@ -137,13 +137,13 @@ class HealthMonitor:
         if event.health is Health.HEALTHY:
             self._faults.pop(event.gpu_id, None)
             self._faults_changed.set()
-            await self._inventory.set_health(event.gpu_id, Health.HEALTHY, event.reason)
+            self._inventory.set_health(event.gpu_id, Health.HEALTHY, event.reason)
             return
         period = self._inventory.config.health.recovery_period
         recover_at = time.monotonic() + period if period > 0 else None
         self._faults[event.gpu_id] = _Fault(event.reason, event.at, recover_at)
         self._faults_changed.set()
-        await self._inventory.set_health(event.gpu_id, Health.UNHEALTHY, event.reason)
+        self._inventory.set_health(event.gpu_id, Health.UNHEALTHY, event.reason)
 
     async def _recover(self) -> None:
         """One timer for every fault: a GPU is healthy again once its quiet period passed without a new fault."""
@@ -155,7 +155,7 @@ class HealthMonitor:
             for gpu_id, fault in due:
                 del self._faults[gpu_id]
                 period = self._inventory.config.health.recovery_period
-                await self._inventory.set_health(gpu_id, Health.HEALTHY,
+                self._inventory.set_health(gpu_id, Health.HEALTHY,
                                                  f"no new fault for {period:g}s since {fault.reason}")
             deadlines = [f.recover_at for f in self._faults.values() if f.recover_at is not None]
             wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None

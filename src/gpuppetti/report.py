@@ -13,10 +13,10 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-def _advertised(inventory: Snapshot) -> dict[str, tuple[str, int, int | None]]:
+def _advertised(snapshot: Snapshot) -> dict[str, tuple[str, int, int | None]]:
     """Per GPU: its resource, its number of units, and a unit's memory where it shares the GPU."""
     per_gpu: dict[str, tuple[str, int, int | None]] = {}
-    for name, plan in inventory.plan.items():
+    for name, plan in snapshot.plan.items():
         for unit in plan.units:
             memory = unit.size.memory if unit.shared and unit.size is not None else None
             per_gpu[unit.gpu_id] = (name, unit.replicas, memory)
@@ -51,10 +51,10 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
     }
 
 
-def gpu_records(inventory: Snapshot) -> list[dict[str, Any]]:
-    advertised = _advertised(inventory)
+def gpu_records(snapshot: Snapshot) -> list[dict[str, Any]]:
+    advertised = _advertised(snapshot)
     records = []
-    for gpu in inventory.gpus.values():
+    for gpu in snapshot.gpus.values():
         resource, replicas, memory = advertised.get(gpu.id, (None, None, None))
         records.append(gpu_record(gpu, resource, replicas, memory))
     return records

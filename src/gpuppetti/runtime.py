@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 # Sockets, checkpoints and directories get explicit modes; anything else the process creates is private.
 UMASK = 0o077
+# How long the duties have to finish once cancelled before the ones still running are named in the log and
+# cancelled again (a duty that swallowed its cancellation, or waits on something that never comes).
+STOP_DEADLINE_S = 10.0
 
 
 class StartupError(Exception):
@@ -69,6 +72,8 @@ class Runtime:
         if earlysignals.take_pending_hangup():
             log.info("received SIGHUP during start-up; reloading once started")
             self.reload_requested.set()
+        # The stop deadline's watchdog runs outside the group: the group's exit is what it watches.
+        stragglers: asyncio.Task[None] | None = None
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
@@ -77,10 +82,23 @@ class Runtime:
                 starting.cancel()
                 for task in list(self._tasks):
                     task.cancel()
+                stragglers = asyncio.create_task(self._report_stragglers(), name="stop-deadline")
         finally:
+            if stragglers is not None:
+                stragglers.cancel()
             self._group = None
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
+
+    async def _report_stragglers(self) -> None:
+        """Outside the group: at each deadline, name the duties that are still stopping and cancel them again."""
+        while self._tasks:
+            await asyncio.sleep(STOP_DEADLINE_S)
+            late = sorted(task.get_name() for task in self._tasks if not task.done())
+            if late:
+                log.error("still stopping after %.0fs: %s; cancelling them again", STOP_DEADLINE_S, ", ".join(late))
+                for task in list(self._tasks):
+                    task.cancel()
 
     async def _start(self, start: Callable[[Runtime], Awaitable[None]]) -> None:
         await start(self)

@@ -6,6 +6,7 @@ missing; `make test` runs pytest with -rs, so the reason is printed in the summa
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.realnode import IMAGE, KIT, REPO, STATE_DIR, RealNode, why_not
+from tests.cluster.realnode import IMAGE, IMAGE_VENV, KIT, REPO, STATE_DIR, RealNode, why_not
 from tests.packaging import venv_with
 
 
@@ -59,14 +60,16 @@ def workdir() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def image(realnode: RealNode, clean_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+def image(realnode: RealNode, clean_wheel: Path) -> str:
     """The project's image as users get it: the wheel built from a clean clone, installed into a fresh venv as the
     Dockerfile installs it, packed and imported into the node's containerd.
 
     No registry is reachable and no container builder runs here, so the kit's mkimage.py packs that venv with its
     interpreter and the shared libraries they load, in place of the Dockerfile's base image.
     """
-    venv = venv_with(clean_wheel, tmp_path_factory.mktemp("image") / "venv")
+    # At a path of its own, which the image keeps: commands run in its pods name it (IMAGE_VENV).
+    shutil.rmtree(IMAGE_VENV, ignore_errors=True)
+    venv = venv_with(clean_wheel, IMAGE_VENV)
     entrypoint = f'["{venv / "bin" / "gpuppetti"}"]'
     with tempfile.TemporaryDirectory(prefix="gp-image-") as directory:
         archive = Path(directory) / "gpuppetti.tar"

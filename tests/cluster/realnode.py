@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +26,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 # Where the kit lives beside the repository; REALNODE_KIT points elsewhere.
+# The venv the project's image is packed from (the wheel installed as a user installs it), at this path in the image.
+IMAGE_VENV = Path(tempfile.gettempdir()) / "gpuppetti-cluster-image-venv"
 KIT = Path(os.environ.get("REALNODE_KIT", REPO.parent / "shared" / "realnode"))
 # A state dir of the suite's own, fixed so that a re-run reuses the unpacked binaries (FRESH=1 wipes the rest).
 STATE_DIR = Path(os.environ.get("GPUPPETTI_REALNODE_DIR", "/tmp/gpuppetti-cluster-tier"))

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.realnode import RealNode, pod, wait_for, write_config
+from tests.cluster.realnode import IMAGE_VENV, RealNode, pod, wait_for, write_config
 
 NAMESPACE = "gpuppetti"
 MODE_LABEL = "gpuppetti.dev/mode"
@@ -78,7 +78,7 @@ def doctor_in_pod(node: RealNode, component: str) -> dict[str, dict[str, Any]]:
     [name] = [p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running"]
     socket = Path("/host") / (node.dir / "containerd" / "containerd.sock").relative_to("/")
     result = subprocess.run([str(node.dir / "bin" / "kubectl"), "-n", NAMESPACE, "exec", name, "--",
-                             str(Path(sys.prefix) / "bin" / "gpuppetti"), "doctor", "--json", "--runtime-endpoint",
+                             str(IMAGE_VENV / "bin" / "gpuppetti"), "doctor", "--json", "--runtime-endpoint",
                              str(socket)], env=node.env, capture_output=True, text=True, timeout=120, check=False)
     assert "Traceback" not in result.stderr, result.stderr
     checks = {check["check"]: check for check in json.loads(result.stdout)}

@@ -63,9 +63,9 @@ async def test_health_changes_bump_the_version_and_the_list() -> None:
     assert [d.ID for d in _listed(inventory.snapshot)] == [u.id for u in plan.units]
     assert {d.health for d in _listed(inventory.snapshot)} == {"Healthy"}
     waiter = asyncio.create_task(inventory.wait_for_change(inventory.version))
-    assert await inventory.set_health("sim-apple-1", Health.UNHEALTHY, "test")
+    assert inventory.set_health("sim-apple-1", Health.UNHEALTHY, "test")
     assert await asyncio.wait_for(waiter, 1) == 1
-    assert not await inventory.set_health("sim-apple-1", Health.UNHEALTHY)
+    assert not inventory.set_health("sim-apple-1", Health.UNHEALTHY)
     listed = {d.ID: d.health for d in _listed(inventory.snapshot)}
     assert inventory.snapshot.plan is not None and inventory.plan["apple.com/gpu"] is plan, "health keeps the plan"
     assert listed["sim-apple-0::0"] == "Healthy" and listed["sim-apple-1::0"] == "Unhealthy"

@@ -397,9 +397,8 @@ class DevicePluginManager:
             )
 
 
-async def _wait(wake: asyncio.Event, seconds: float | None = None) -> float:
-    """Wait until ``wake`` is set or ``seconds`` pass; returns ``seconds`` (or 0), for the log line."""
+async def _wait(wake: asyncio.Event, seconds: float | None = None) -> None:
+    """Wait until ``wake`` is set or ``seconds`` pass."""
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
             await wake.wait()
-    return seconds or 0.0

@@ -11,10 +11,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.daemon import Sources, reload, start_inventory
+from gpuppetti.daemon import Sources, reload, start_inventory, where_looked
 from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
-from gpuppetti.discovery import looked_at
 from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.metrics import Metrics
 from gpuppetti.report import gpu_records
@@ -65,7 +64,7 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
 
     def waiting_for() -> str | None:
         if not inventory.gpus:
-            return f"{READY_NOTE}no GPUs found on this node; serving nothing ({'; '.join(looked_at(found.backends))})"
+            return f"{READY_NOTE}no GPUs found on this node; serving nothing ({where_looked(found)})"
         waiting = manager.waiting_for()
         note = enforcement.note()
         return waiting if waiting is not None or note is None else f"{READY_NOTE}{note}"

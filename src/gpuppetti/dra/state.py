@@ -287,9 +287,11 @@ class DraState:
             else:
                 valid.append(claim)
         async with self._lock:
-            pending = [claim for claim in valid if not self._already(claim, answers)]
-            if any(claim.uid in answers for claim in valid):
-                await self._ensure_specs([c for c in valid if c.uid in answers], answers)
+            done = {claim.uid: devices for claim in valid if (devices := self._completed(claim)) is not None}
+            answers.update(done)
+            pending = [claim for claim in valid if claim.uid not in done]
+            if done:
+                await self._ensure_specs([c for c in valid if c.uid in done], answers)
         began = time.perf_counter()
         # The network, with no lock held: an Unprepare meanwhile answers at once. Each claim is planned as soon as
         # it is read, while the others are still on their way.
@@ -302,8 +304,9 @@ class DraState:
         async with self._lock:
             planned: dict[str, tuple[ClaimRef, _Plan]] = {}
             for claim, plan in zip(pending, plans, strict=True):
-                if self._already(claim, answers):
-                    continue  # another call prepared it while this one read the API
+                if (devices := self._completed(claim)) is not None:
+                    answers[claim.uid] = devices  # another call prepared it while this one read the API
+                    continue
                 if isinstance(plan, PrepareError):
                     answers[claim.uid] = plan
                 else:
@@ -316,12 +319,10 @@ class DraState:
                      (read - began) * 1000, (time.perf_counter() - read) * 1000)
         return answers
 
-    def _already(self, claim: ClaimRef, answers: dict[str, list[PreparedDevice] | PrepareError]) -> bool:
+    def _completed(self, claim: ClaimRef) -> list[PreparedDevice] | None:
+        """The devices of a claim the checkpoint holds as prepared; None for any other."""
         record = self.checkpoint.claims.get(claim.uid)
-        if record is not None and record.state == COMPLETED:
-            answers[claim.uid] = record.devices
-            return True
-        return False
+        return record.devices if record is not None and record.state == COMPLETED else None
 
     async def _ensure_specs(self, claims: Sequence[ClaimRef],
                             answers: dict[str, list[PreparedDevice] | PrepareError]) -> None:

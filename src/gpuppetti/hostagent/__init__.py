@@ -1,4 +1,3 @@
 """The macOS host agent (server) and the plugin's client for it."""
 
 API_PATH = "/v1/gpus"
-DEFAULT_PORT = 9410

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Literal
 
+from gpuppetti.config import AllocationPolicy
 from gpuppetti.sharing.replicas import ResourcePlan, Unit
-
-AllocationPolicy = Literal["distributed", "packed"]
 
 
 def preferred_allocation(

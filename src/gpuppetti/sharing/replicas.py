@@ -7,9 +7,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from gpuppetti.config import ConfigError, TimeSlicing, resource_name_problem
+from gpuppetti.config import ConfigError, ReplicatedResource, TimeSlicing, resource_name_problem
 from gpuppetti.model import Gpu
 from gpuppetti.sharing.size import Size
+
+
+def replicas_for(entry: ReplicatedResource, gpu: Gpu) -> int:
+    """How many replicas ``entry`` makes of ``gpu``: its count, or one per ``replicasPerCores`` of the GPU's cores."""
+    if entry.replicas is not None:
+        return entry.replicas
+    assert entry.replicas_per_cores is not None
+    return max(1, (gpu.cores or 0) // entry.replicas_per_cores)
 
 MAX_DEVICE_ID_LENGTH = 63
 
@@ -96,7 +104,7 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
         name = base
         if chosen:
             entry = chosen[0][1]
-            replicas = entry.replicas_for(gpu.cores)
+            replicas = replicas_for(entry, gpu)
             if entry.rename:
                 name = entry.rename
             elif time_slicing.rename_by_default and replicas > 1:
@@ -161,7 +169,7 @@ def plan_remarks(gpus: Sequence[Gpu], time_slicing: TimeSlicing) -> list[Remark]
             continue
         if entry.slice_memory is not None:
             for gpu in matching:
-                replicas = entry.replicas_for(gpu.cores)
+                replicas = replicas_for(entry, gpu)
                 if gpu.memory_bytes is not None and entry.slice_memory * replicas > gpu.memory_bytes:
                     remarks.append(Remark(f"{where}.sliceMemory", f"{replicas} slices of {entry.slice_memory} bytes "
                                           f"promise more than GPU {gpu.id}'s {gpu.memory_bytes} bytes", True))

@@ -12,8 +12,6 @@ from gpuppetti.quantity import parse_quantity
 from gpuppetti.sharing.pool import PoolDevice
 from gpuppetti.sharing.size import Size
 
-STRATEGIES = ("TimeSlicing", "Exclusive", "MPS")
-
 
 @dataclass(frozen=True)
 class Share:

@@ -21,12 +21,6 @@ class Size:
     memory: int | None
 
     @classmethod
-    def of(cls, gpu: Gpu, fraction: Fraction) -> Size:
-        """``fraction`` of ``gpu``."""
-        memory = int(gpu.memory_bytes * fraction) if gpu.memory_bytes is not None else None
-        return cls(fraction, gpu.cores * fraction if gpu.cores is not None else None, memory)
-
-    @classmethod
     def part(cls, gpu: Gpu, parts: int) -> Size:
         """One of ``parts`` equal parts of ``gpu``."""
         return part_size(gpu.cores, gpu.memory_bytes, parts)
