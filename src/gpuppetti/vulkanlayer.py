@@ -147,15 +147,6 @@ def compute_env(budgets: Sequence[Budget]) -> str | None:
     return ",".join(str(budget.compute) for budget in budgets)
 
 
-def memories_of(env_value: str) -> list[int]:
-    """The budgets a GPUPPETTI_VK_SLICES value names, in order (to re-create an allocation's files from it)."""
-    memories = []
-    for entry in env_value.split(","):
-        _, _, number = entry.rpartition("=")
-        memories.append(int(number) if number.isdigit() else 0)
-    return memories
-
-
 @dataclass(frozen=True)
 class LayerDir:
     """The node's layer directory: the installed layer, and one directory per allocation."""

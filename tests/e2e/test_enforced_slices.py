@@ -5,6 +5,7 @@ container then obtains."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -191,12 +192,25 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     data[24:32] = (123).to_bytes(8, "little")
     data[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] = (10**18).to_bytes(8, "little")
     acct.write_bytes(bytes(data))
+    # The plan is checkpointed whole: the claim's directories and their budgets, by request.
+    record = json.loads((cluster.plugin_dir / "checkpoint.json").read_text())["claims"][claim.uid]
+    assert record["layer_allocations"] == {f"dra-{claim.uid}-gpu": [memory]}
+    # A directory no claim of the checkpoint names (another claim's, left by a crash) goes at the next start.
+    foreign = layer.create(f"dra-{claim.uid[:-4]}beef-gpu", [1])
     driver.process.send_signal(signal.SIGKILL)
     driver.process.wait()
-    cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
+    driver = cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
     await cluster.kubelet.wait_registered(DRIVER, count=2)
     assert int.from_bytes(acct.read_bytes()[24:32], "little") == 123
     assert acct.read_bytes()[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] == bytes(8)
+    assert not foreign.exists()
+    # Lost (a wiped disk): made again from the checkpointed plan, with the request's budget.
+    shutil.rmtree(acct.parent)
+    driver.process.send_signal(signal.SIGKILL)
+    driver.process.wait()
+    cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
+    await cluster.kubelet.wait_registered(DRIVER, count=3)
+    assert int.from_bytes(acct.read_bytes()[16:24], "little") == memory
     assert (await cluster.kubelet.unprepare([claim], [DRIVER]))[DRIVER][claim.uid].error == ""
     assert layer.existing() == {}, "unprepared: its directory goes"
 

@@ -53,6 +53,9 @@ class ClaimRecord:
     devices: list[PreparedDevice] = field(default_factory=list)
     cdi_spec: dict[str, Any] | None = None
     cdi_file: str | None = None
+    # The Vulkan layer's directory of each request held to a slice, with each GPU's memory budget: recorded with
+    # the plan, before the directories exist, so that restore and unprepare know exactly which are the claim's.
+    layer_allocations: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _canonical(claims: dict[str, Any]) -> str:
@@ -68,7 +71,7 @@ def _as_json(record: ClaimRecord) -> dict[str, Any]:
     return {
         "uid": record.uid, "namespace": record.namespace, "name": record.name, "state": record.state,
         "devices": [vars(device) for device in record.devices],
-        "cdi_spec": record.cdi_spec, "cdi_file": record.cdi_file,
+        "cdi_spec": record.cdi_spec, "cdi_file": record.cdi_file, "layer_allocations": record.layer_allocations,
     }
 
 
@@ -99,6 +102,9 @@ _CLAIM_FIELDS: dict[str, Any] = {
     "name": lambda v: isinstance(v, str), "state": lambda v: v in (STARTED, COMPLETED),
     "devices": lambda v: isinstance(v, list), "cdi_spec": lambda v: v is None or isinstance(v, dict),
     "cdi_file": lambda v: v is None or isinstance(v, str),
+    "layer_allocations": lambda v: isinstance(v, dict) and all(
+        isinstance(memories, list) and all(isinstance(m, int) and not isinstance(m, bool) for m in memories)
+        for memories in v.values()),
 }
 
 

@@ -31,7 +31,7 @@ from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 from gpuppetti.syntax import DNS_LABEL, UID, is_dns_subdomain
-from gpuppetti.vulkanlayer import LayerDir, memories_of
+from gpuppetti.vulkanlayer import LayerDir
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class _Plan:
     spec: dict[str, Any]
     filename: str
     # The Vulkan layer's directory of each request that gets one, with each GPU's budget.
-    allocations: list[tuple[str, list[int]]] = field(default_factory=list)
+    allocations: dict[str, list[int]] = field(default_factory=dict)
 
 
 def layer_allocation(uid: str, request: str) -> str:
@@ -132,7 +132,7 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
 
     cdi_devices: list[tuple[str, ContainerEdits]] = []
     prepared: list[PreparedDevice] = []
-    allocations: list[tuple[str, list[int]]] = []
+    allocations: dict[str, list[int]] = {}
     enforce = Enforce(snapshot.config.sharing.enforce_memory, snapshot.config.sharing.enforce_compute)
     for request, shares in by_request.items():
         try:
@@ -153,7 +153,7 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
             # Every container of the claim mounts the request's one directory: they share its budget.
             allocation_id = layer_allocation(claim.uid, request)
             edits.merge(layer.edits(allocation_id, budgets))
-            allocations.append((allocation_id, [budget.memory for budget in budgets]))
+            allocations[allocation_id] = [budget.memory for budget in budgets]
         cdi_devices.append((cdi_name, edits))
         for position, share in enumerate(shares):
             # One CDI device per request carries the edits of all its GPUs, so a container that gets the
@@ -246,30 +246,20 @@ class DraState:
         self.missing_specs = failed
         return len(wanted) - len(failed)
 
-    def _remove_layer_dirs(self, uids: set[str]) -> None:
-        assert self.layer is not None
-        for allocation in self.layer.existing():
-            if allocation.startswith(LAYER_PREFIX) and allocation[len(LAYER_PREFIX):][:36] in uids:
-                self.layer.remove(allocation)
-
     def _restore_layer_dirs(self) -> None:
         """Each completed claim's layer directories there (kept as they are: running containers count in them),
-        and no other claim's."""
+        as its checkpointed plan names them, and no other DRA claim's."""
         assert self.layer is not None
-        completed = {uid for uid, record in self.checkpoint.claims.items() if record.state == COMPLETED}
-        self._remove_layer_dirs({allocation[len(LAYER_PREFIX):][:36] for allocation in self.layer.existing()
-                                 if allocation.startswith(LAYER_PREFIX)} - completed)
-        for uid in completed:
-            record = self.checkpoint.claims[uid]
-            for device in (record.cdi_spec or {}).get("devices", []):
-                env = dict(item.split("=", 1) for item in device.get("containerEdits", {}).get("env", []))
-                request = str(device.get("name", "")).removeprefix(f"claim-{uid}-")
-                if "GPUPPETTI_VK_SLICES" in env and request:
-                    try:
-                        self.layer.create(layer_allocation(uid, request), memories_of(env["GPUPPETTI_VK_SLICES"]),
-                                          fresh=False)
-                    except (OSError, ValueError) as exc:
-                        log.error("cannot re-create the Vulkan layer's directory of prepared claim %s: %s", uid, exc)
+        kept = {allocation: (uid, memories) for uid, record in self.checkpoint.claims.items()
+                if record.state == COMPLETED for allocation, memories in record.layer_allocations.items()}
+        for allocation in self.layer.existing():
+            if allocation.startswith(LAYER_PREFIX) and allocation not in kept:
+                self.layer.remove(allocation)
+        for allocation, (uid, memories) in kept.items():
+            try:
+                self.layer.create(allocation, memories, fresh=False)
+            except (OSError, ValueError) as exc:
+                log.error("cannot re-create the Vulkan layer's directory of prepared claim %s: %s", uid, exc)
 
     # -- prepare ----------------------------------------------------------------------------------------------
 
@@ -339,8 +329,9 @@ class DraState:
     async def _commit(self, planned: dict[str, tuple[ClaimRef, _Plan]],
                       answers: dict[str, list[PreparedDevice] | PrepareError]) -> list[str]:
         claims = dict(self.checkpoint.claims)
-        started = {**claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED) for uid, (c, _) in
-                                planned.items()}}
+        started = {**claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED,
+                                                 layer_allocations=plan.allocations)
+                                for uid, (c, plan) in planned.items()}}
         try:
             await asyncio.to_thread(self.checkpoint.save, started)
         except OSError as exc:
@@ -357,7 +348,7 @@ class DraState:
                 answers[uid] = PrepareError(failed[uid])
             else:
                 completed[uid] = ClaimRecord(uid, claim.namespace, claim.name, COMPLETED, plan.devices, plan.spec,
-                                             plan.filename)
+                                             plan.filename, plan.allocations)
         written = [uid for uid in planned if uid not in failed]
         try:
             await asyncio.to_thread(self.checkpoint.save, completed)
@@ -382,7 +373,7 @@ class DraState:
         failed: dict[str, str] = {}
         for uid, (_, plan) in planned.items():
             try:
-                for allocation_id, memories in plan.allocations:
+                for allocation_id, memories in plan.allocations.items():
                     if self.layer is not None:
                         self.layer.create(allocation_id, memories)
             except OSError as exc:
@@ -428,6 +419,7 @@ class DraState:
         async with self._lock:
             current = self.checkpoint.claims
             gone = [claim for claim in valid if claim.uid in current]
+            directories = [allocation for claim in gone for allocation in current[claim.uid].layer_allocations]
             if gone:
                 remaining = {uid: record for uid, record in current.items() if uid not in {c.uid for c in gone}}
                 try:
@@ -444,7 +436,8 @@ class DraState:
             await asyncio.to_thread(_remove_specs, self.cdi_dir,
                                     [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
             if self.layer is not None:
-                await asyncio.to_thread(self._remove_layer_dirs, {claim.uid for claim in valid})
+                for allocation in directories:
+                    await asyncio.to_thread(self.layer.remove, allocation)
             for claim in valid:
                 self.missing_specs.pop(claim.uid, None)
                 answers[claim.uid] = ""
