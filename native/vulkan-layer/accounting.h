@@ -38,11 +38,15 @@ struct acct_file {
     /* The compute duty cycle (dutycycle.h): no batch is submitted before this CLOCK_MONOTONIC time, in ns. Zero
      * in a new file, and within ACCT_FILE_SIZE, so files written before it existed hold it too. */
     _Atomic int64_t not_before_ns;
+    /* How long the slice's submits have waited in all, in ns: what /metrics reports as compute wait. */
+    _Atomic int64_t waited_ns;
 };
 
 _Static_assert(sizeof(struct acct_file) <= ACCT_FILE_SIZE, "the accounting layout outgrew its file");
 /* src/gpuppetti/vulkanlayer.py clears it there when it keeps a file across a restart (or a reboot). */
 _Static_assert(offsetof(struct acct_file, not_before_ns) == 34976, "the daemons know not_before_ns's offset");
+/* src/gpuppetti/vulkanlayer.py reads it for /metrics. */
+_Static_assert(offsetof(struct acct_file, waited_ns) == 34984, "the daemons know waited_ns's offset");
 
 struct acct {
     struct acct_file *file; /* the shared mapping; a private one where no file could be used */

@@ -187,8 +187,10 @@ void duty_wait(struct duty *duty)
             wait = 1000000000;
         }
         struct timespec pause = {.tv_sec = wait / 1000000000, .tv_nsec = wait % 1000000000};
+        int64_t began = duty_now();
         while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
         }
+        atomic_fetch_add(&duty->acct->file->waited_ns, duty_now() - began);
     }
 }
 

@@ -54,7 +54,9 @@ class HttpServer:
     async def _metrics_page(self) -> Answer:
         from prometheus_client import generate_latest
 
-        return Answer(200, generate_latest(self._metrics.registry), CONTENT_TYPE_LATEST)
+        # In a thread: the slice collectors read the layer's accounting files, and nothing blocks the event loop.
+        page = await asyncio.to_thread(generate_latest, self._metrics.registry)
+        return Answer(200, page, CONTENT_TYPE_LATEST)
 
     async def start(self, address: str) -> None:
         host, port = parse_address(address, "--http-address")

@@ -77,8 +77,15 @@ class Allocation(_Object):
     devices: DeviceAllocation = Field(default_factory=DeviceAllocation)
 
 
+class ConsumerReference(_Object):
+    resource: str = ""
+    name: str = ""
+    uid: str = ""
+
+
 class ClaimStatus(_Object):
     allocation: Allocation | None = None
+    reserved_for: list[ConsumerReference] = Field(default_factory=list)
 
 
 class ResourceClaim(_Object):

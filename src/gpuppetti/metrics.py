@@ -6,10 +6,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpuppetti.inventory import Inventory
+from gpuppetti.vulkanlayer import SliceUse
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -22,6 +23,37 @@ class ClaimCounts(Protocol):
 
     @property
     def missing_specs(self) -> Mapping[str, str]: ...
+
+
+# Who holds a slice, and which: namespace, pod and container (empty where not known), the GPU, and the unit(s) or
+# device(s).
+SLICE_LABELS = ["namespace", "pod", "container", "gpu", "unit"]
+
+
+class SliceUses(Protocol):
+    """Where the slices held by containers are, and who holds them (the device plugin's Enforcer, the DRA state).
+    Called off the event loop, at scrape time: it reads the layer's accounting files."""
+
+    def slice_uses(self) -> list[tuple[list[str], SliceUse]]: ...
+
+
+class _SliceCollector(Collector):
+    def __init__(self, source: Callable[[], SliceUses | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        used = GaugeMetricFamily("gpuppetti_slice_memory_used_bytes", "GPU memory a container's processes hold in "
+                                 "their slice, as the Vulkan layer counts it", labels=SLICE_LABELS)
+        budget = GaugeMetricFamily("gpuppetti_slice_memory_budget_bytes", "The memory a container is held to in its "
+                                   "slice (0: a whole GPU, not limited)", labels=SLICE_LABELS)
+        waited = CounterMetricFamily("gpuppetti_slice_compute_wait_seconds", "How long a slice's submits waited for "
+                                     "its share of the GPU's time", labels=SLICE_LABELS)
+        source = self._source()
+        for labels, use in source.slice_uses() if source is not None else []:
+            used.add_metric(labels, use.used)
+            budget.add_metric(labels, use.budget)
+            waited.add_metric(labels, use.waited_seconds)
+        yield from (used, budget, waited)
 
 
 class _InventoryCollector(Collector):
@@ -82,7 +114,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._inventory: Inventory | None = None
         self._claims: ClaimCounts | None = None
+        self._slices: SliceUses | None = None
         self.registry.register(_InventoryCollector(lambda: self._inventory, lambda: self._claims))
+        self.registry.register(_SliceCollector(lambda: self._slices))
         self.allocate_requests = Counter(
             "gpuppetti_allocate_requests", "Device plugin Allocate calls", ["resource", "result"],
             registry=self.registry)
@@ -119,3 +153,6 @@ class Metrics:
 
     def watch_claims(self, claims: ClaimCounts) -> None:
         self._claims = claims
+
+    def watch_slices(self, slices: SliceUses) -> None:
+        self._slices = slices

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.fsutil import atomic_write, create_file, make_directory, read_untrusted
+from gpuppetti.fsutil import atomic_write, create_file, make_directory, read_untrusted, read_untrusted_spans
 from gpuppetti.model import ContainerEdits, Mount
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
 
@@ -52,6 +52,10 @@ ACCT_SLOTS = 256
 ACCT_FILE_SIZE = 36864
 # Where the compute duty cycle keeps the slice's next allowed submit (CLOCK_MONOTONIC ns; accounting.h).
 ACCT_NOT_BEFORE_OFFSET = 34976
+# How long the slice's submits have waited in all (ns; accounting.h).
+ACCT_WAITED_OFFSET = 34984
+# Slices read per allocation at most (a container given more GPUs than this is reported for the first ones).
+MAX_SLICES_READ = 64
 
 # An allocation's directory name: it is built from unit ids and claim UIDs, and must stay one path component.
 _ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -135,6 +139,28 @@ def _clear_not_before(path: str) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class SliceUse:
+    """What the layer's accounting file of one slice says: its budget, what the container's processes hold, and how
+    long their submits waited for the slice's share of the GPU's time. The container can write the file: the
+    numbers are what it says, clamped to be no less than 0."""
+
+    index: int
+    budget: int
+    used: int
+    waited_seconds: float
+
+
+def read_use(path: str, index: int) -> SliceUse | None:
+    """One accounting file's figures; None where it is not one (missing, not a regular file, not the layout)."""
+    spans = read_untrusted_spans(path, [(0, 32), (ACCT_WAITED_OFFSET, 8)])
+    if spans is None or len(spans[0]) < 32 or not spans[0].startswith(ACCT_MAGIC):
+        return None
+    budget, total = struct.unpack_from("<qq", spans[0], 16)
+    waited = struct.unpack("<q", spans[1])[0] if len(spans[1]) == 8 else 0
+    return SliceUse(index, max(budget, 0), max(total, 0), max(waited, 0) / 1e9)
+
+
 def slices_env(budgets: Sequence[Budget]) -> str:
     return ",".join(f"{budget.selector}={budget.memory}" for budget in budgets)
 
@@ -203,6 +229,20 @@ class LayerDir:
     def remove(self, allocation: str) -> None:
         if _ALLOCATION_ID.match(allocation):
             shutil.rmtree(self.allocations / allocation, ignore_errors=True)
+
+    def usage(self, allocation: str, slices: int = MAX_SLICES_READ) -> list[SliceUse]:
+        """Each slice of an allocation (the first ``slices`` where the caller knows how many), as its accounting
+        files say. Blocks (a few system calls per slice)."""
+        if not _ALLOCATION_ID.match(allocation):
+            return []
+        directory = f"{self.allocations}/{allocation}/slice-"
+        uses = []
+        for index in range(min(slices, MAX_SLICES_READ)):
+            use = read_use(f"{directory}{index}.acct", index)
+            if use is None:
+                break
+            uses.append(use)
+        return uses
 
     def existing(self) -> dict[str, list[str]]:
         """Each allocation directory, with the units it was made for (none for a DRA claim's)."""

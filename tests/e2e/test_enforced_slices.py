@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from gpuppetti import cdi
@@ -192,6 +193,15 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     data[24:32] = (123).to_bytes(8, "little")
     data[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] = (10**18).to_bytes(8, "little")
     acct.write_bytes(bytes(data))
+    # /metrics says what the claim's containers hold of its slice (what the accounting file says).
+    async with aiohttp.ClientSession() as session, session.get(f"{await driver.http_url()}/metrics") as response:
+        metrics = await response.text()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("gpuppetti_slice_")}
+    # Who holds it: the claim's namespace and the pod it is reserved for (a claim's containers are not named).
+    labels = f'container="",gpu="sim-apple-0",namespace="default",pod="layered-pod",unit="{result["device"]}"'
+    assert samples[f"gpuppetti_slice_memory_used_bytes{{{labels}}}"] == 123
+    assert samples[f"gpuppetti_slice_memory_budget_bytes{{{labels}}}"] == memory
     # The plan is checkpointed whole: the claim's directories and their budgets, by request.
     record = json.loads((cluster.plugin_dir / "checkpoint.json").read_text())["claims"][claim.uid]
     assert record["layer_allocations"] == {f"dra-{claim.uid}-gpu": [memory]}

@@ -221,3 +221,14 @@ async def test_a_wait_from_before_a_reboot_is_forgotten(sandbox: PodmanSandbox, 
     busy = report["busy"]
     assert busy["seconds"] < 8
     assert busy["gpu_seconds"] >= 0.8, "a time further ahead than any debt is forgotten: the slice works at its share"
+
+
+async def test_a_slices_waiting_is_kept_for_metrics(sandbox: PodmanSandbox, layer: LayerDir) -> None:
+    name = f"t-{secrets.token_hex(4)}"
+    layer.create(name, [SLICE])
+    edits = layer.edits(name, [Budget(SIMULATED, SLICE, 250)])
+    [report] = await vkinfo(sandbox, edits, "gpuppetti-vkinfo --busy 2 --fill 32")
+    [use] = layer.usage(name)
+    # A quarter share waits about three quarters of the time it runs: what /metrics reports as compute wait.
+    assert 0.5 * report["busy"]["seconds"] <= use.waited_seconds <= report["busy"]["seconds"]
+    assert use.budget == SLICE and use.used == 0

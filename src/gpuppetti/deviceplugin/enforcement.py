@@ -22,7 +22,7 @@ from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
 from gpuppetti.model import ContainerEdits
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import LayerDir
+from gpuppetti.vulkanlayer import MAX_SLICES_READ, LayerDir, SliceUse
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ class Enforcer:
         self.grace = grace
         # Allocation -> (its units, when it was made, monotonic).
         self._allocations: dict[str, tuple[frozenset[str], float]] = {}
+        # Allocation -> each slice's GPU and units, in the order of its accounting files (for /metrics).
+        self._slices: dict[str, list[tuple[str, str]]] = {}
+        # Unit -> the (namespace, pod, container) the kubelet last said it is assigned to.
+        self._owners: dict[str, tuple[str, str, str]] = {}
         self._said_no_pod_resources = False
 
     async def start(self, advertised: set[str]) -> None:
@@ -76,8 +80,25 @@ class Enforcer:
         await asyncio.to_thread(self._replace, allocation, memories, sorted(units), freed)
         for other in freed:
             self._allocations.pop(other, None)
+            self._slices.pop(other, None)
         self._allocations[allocation] = (units, time.monotonic())
+        self._slices[allocation] = [
+            (budget.gpu.id, ",".join(sorted(unit for unit in units if unit.partition("::")[0] == budget.gpu.id)))
+            for budget in budgets]
         return self.layer.edits(allocation, budgets)
+
+    def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
+        """Each held slice, as its accounting file says, labelled with who holds it (metrics.SliceUses). Blocks:
+        it reads the files (in a thread, at scrape time)."""
+        found = []
+        owners = self._owners
+        for allocation, (units, _) in list(self._allocations.items()):
+            holder = next((owners[unit] for unit in sorted(units) if unit in owners), ("", "", ""))
+            where = self._slices.get(allocation, [])
+            for use in self.layer.usage(allocation, len(where) or MAX_SLICES_READ):
+                gpu, unit = where[use.index] if use.index < len(where) else ("", ",".join(sorted(units)))
+                found.append(([*holder, gpu, unit], use))
+        return found
 
     def _replace(self, allocation: str, memories: list[int], units: list[str], freed: list[str]) -> None:
         for other in freed:
@@ -85,7 +106,8 @@ class Enforcer:
         self.layer.create(allocation, memories, units)
 
     async def keep_in_use(self) -> None:
-        """Duty: ask the kubelet which units are assigned, and remove the directories of the others."""
+        """Duty: ask the kubelet which units are assigned (and to whom, for /metrics), and remove the directories of
+        the others."""
         while True:
             await asyncio.sleep(self.interval)
             if self._allocations:
@@ -101,6 +123,7 @@ class Enforcer:
         for allocation in gone:
             await asyncio.to_thread(self.layer.remove, allocation)
             del self._allocations[allocation]
+            self._slices.pop(allocation, None)
         if gone:
             log.info("removed the layer directories of %d freed allocation(s)", len(gone))
 
@@ -118,5 +141,7 @@ class Enforcer:
             log.warning("asking the kubelet's PodResources API which units are assigned failed: %s: %s",
                         exc.code().name, exc.details())
             return None
-        return {device_id for pod in answer.pod_resources for container in pod.containers
-                for devices in container.devices for device_id in devices.device_ids}
+        self._owners = {device_id: (pod.namespace, pod.name, container.name) for pod in answer.pod_resources
+                        for container in pod.containers for devices in container.devices
+                        for device_id in devices.device_ids}
+        return set(self._owners)

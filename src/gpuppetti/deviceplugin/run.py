@@ -57,6 +57,7 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     metrics.slices_enforced.set(int(enforcement.enforced))
     if (layer := enforcement.layer) is not None:
         enforcer = Enforcer(layer, pod_resources_socket(options.device_plugin_dir))
+        metrics.watch_slices(enforcer)
         await enforcer.start({unit.id for plan in inventory.plan.values() for unit in plan.units})
         runtime.spawn("layer-directories", enforcer.keep_in_use())
     manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.cdi_dir,

@@ -157,6 +157,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
     metrics.watch_claims(state)
+    metrics.watch_slices(state)
     service = DraService(state, metrics)
 
     dra_socket = plugin_dir / "dra.sock"

@@ -31,7 +31,7 @@ from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 from gpuppetti.syntax import DNS_LABEL, UID, is_dns_subdomain
-from gpuppetti.vulkanlayer import LayerDir
+from gpuppetti.vulkanlayer import LayerDir, SliceUse
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,8 @@ class DraState:
         self._lock = asyncio.Lock()
         # Prepared claims whose CDI spec could not be written back (a full directory), and why.
         self.missing_specs: dict[str, str] = {}
+        # The pods a claim was reserved for when it was read to be prepared (for /metrics; not kept across a restart).
+        self._pods: dict[str, str] = {}
 
     @property
     def prepared(self) -> int:
@@ -399,10 +401,31 @@ class DraState:
             return PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} not found: {exc}")
         except ApiError as exc:
             return PrepareError(str(exc))
+        self._pods[claim.uid] = ",".join(sorted(c.name for c in obj.status.reserved_for if c.resource == "pods"))
         try:
             return plan_claim(claim, obj, self._inventory.snapshot, self.node, self.kind, self.layer)
         except PrepareError as exc:
             return exc
+
+    def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
+        """Each held slice of a prepared claim, as its accounting file says, labelled with the claim's namespace, the
+        pods it is reserved for, its GPU and device (metrics.SliceUses). Blocks: it reads the files."""
+        if self.layer is None:
+            return []
+        devices = self._inventory.snapshot.pool.devices
+        found = []
+        for uid, record in list(self.checkpoint.claims.items()):
+            if record.state != COMPLETED:
+                continue
+            for allocation, memories in record.layer_allocations.items():
+                request = allocation.removeprefix(layer_allocation(uid, ""))
+                # A request's slices are in the order of its prepared devices (plan_claim).
+                names = [device.device for device in record.devices if device.request_names == [request]]
+                for use in self.layer.usage(allocation, len(memories)):
+                    name = names[use.index] if use.index < len(names) else ""
+                    gpu = devices[name].gpu_id if name in devices else ""
+                    found.append(([record.namespace, self._pods.get(uid, ""), "", gpu, name], use))
+        return found
 
     # -- unprepare --------------------------------------------------------------------------------------------
 
@@ -440,5 +463,6 @@ class DraState:
                     await asyncio.to_thread(self.layer.remove, allocation)
             for claim in valid:
                 self.missing_specs.pop(claim.uid, None)
+                self._pods.pop(claim.uid, None)
                 answers[claim.uid] = ""
         return answers

@@ -1,0 +1,93 @@
+"""Per-slice metrics, in-process: what the layer's accounting says each container holds and waited, labelled with
+who holds it, read at scrape time from files the containers can write (and so treated as hostile)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+import time
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from gpuppetti._proto.deviceplugin.v1beta1.api_pb2 import ContainerAllocateResponse
+from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
+from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
+from gpuppetti.metrics import Metrics
+from gpuppetti.model import Gpu, Vendor
+from gpuppetti.sharing.budgets import Budget
+from gpuppetti.vulkanlayer import ACCT_WAITED_OFFSET, LayerDir
+from tests.helpers import short_tmpdir
+
+MIB = 2**20
+GPU0 = Gpu(id="gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
+           memory_bytes=2048 * MIB, simulated=True)
+GPU1 = Gpu(id="gpu-1", index=1, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
+           memory_bytes=2048 * MIB, simulated=True)
+
+
+def held(layer: LayerDir, allocation: str, index: int, used: int, waited_ns: int = 0) -> None:
+    """What a container's processes would have written: the slice's total, and its submits' waiting."""
+    with open(layer.allocations / allocation / f"slice-{index}.acct", "r+b") as acct:
+        acct.seek(24)
+        acct.write(struct.pack("<q", used))
+        acct.seek(ACCT_WAITED_OFFSET)
+        acct.write(struct.pack("<q", waited_ns))
+
+
+def scrape(metrics: Metrics) -> set[str]:
+    return set(generate_latest(metrics.registry).decode().splitlines())
+
+
+async def test_each_slice_is_reported_with_who_holds_it(tmp_path: Path) -> None:
+    base = short_tmpdir()
+    socket = base / "pod-resources" / "kubelet.sock"
+    async with KubeletEmulator(base / "dp", pod_resources=socket) as kubelet:
+        layer = LayerDir(tmp_path / "vulkan")
+        layer.install()
+        enforcer = Enforcer(layer, socket, grace=0)
+        await enforcer.start(set())
+        await enforcer.allocate(["gpu-0::1", "gpu-1::0"], [Budget(GPU0, 512 * MIB, 250), Budget(GPU1, 256 * MIB)])
+        allocation = allocation_id(["gpu-0::1", "gpu-1::0"])
+        held(layer, allocation, 0, 100 * MIB, 1_500_000_000)
+        held(layer, allocation, 1, 7 * MIB)
+        kubelet.allocations.append(ContainerAllocation("trainer", "main", "apple.com/gpu", ["gpu-0::1", "gpu-1::0"],
+                                                       ContainerAllocateResponse(), None))
+        await enforcer.check()
+        metrics = Metrics()
+        metrics.watch_slices(enforcer)
+        lines = scrape(metrics)
+    first = 'container="main",gpu="gpu-0",namespace="default",pod="trainer",unit="gpu-0::1"'
+    second = 'container="main",gpu="gpu-1",namespace="default",pod="trainer",unit="gpu-1::0"'
+    assert f"gpuppetti_slice_memory_used_bytes{{{first}}} 1.048576e+08" in lines
+    assert f"gpuppetti_slice_memory_budget_bytes{{{first}}} 5.36870912e+08" in lines
+    assert f"gpuppetti_slice_compute_wait_seconds_total{{{first}}} 1.5" in lines
+    assert f"gpuppetti_slice_memory_used_bytes{{{second}}} 7.340032e+06" in lines
+    assert f"gpuppetti_slice_compute_wait_seconds_total{{{second}}} 0.0" in lines
+
+
+async def test_a_hostile_accounting_file_never_blocks_or_breaks_a_scrape(tmp_path: Path) -> None:
+    layer = LayerDir(tmp_path / "vulkan")
+    layer.install()
+    enforcer = Enforcer(layer, tmp_path / "no-pod-resources.sock")
+    for unit in ("gpu-0::0", "gpu-0::1", "gpu-0::2", "gpu-0::3"):
+        await enforcer.allocate([unit], [Budget(GPU0, 512 * MIB)])
+    fifo, link, short, negative = (layer.allocations / allocation_id([f"gpu-0::{n}"]) / "slice-0.acct"
+                                   for n in range(4))
+    for path in (fifo, link, short):
+        path.unlink()
+    os.mkfifo(fifo)
+    link.symlink_to("/etc/shadow")
+    short.write_bytes(b"GPPTVK01")
+    data = bytearray(negative.read_bytes())
+    data[16:32] = struct.pack("<qq", -5, -(2**63))
+    negative.write_bytes(bytes(data))
+    metrics = Metrics()
+    metrics.watch_slices(enforcer)
+    started = time.monotonic()
+    lines = await asyncio.wait_for(asyncio.to_thread(scrape, metrics), 5)
+    assert time.monotonic() - started < 2
+    used = [line for line in lines if line.startswith("gpuppetti_slice_memory_used_bytes{")]
+    assert used == ['gpuppetti_slice_memory_used_bytes{container="",gpu="gpu-0",namespace="",pod="",'
+                    'unit="gpu-0::3"} 0.0'], "only the file that is one is read, and no number is below 0"
