@@ -36,9 +36,11 @@ demo: $(STAMP) native
 
 # The tests start the daemons as hundreds of processes: their modules are compiled once here, not in each of them
 # (where PYTHONDONTWRITEBYTECODE is set, nothing else would keep the compiled modules).
+# Two workers (pytest-xdist); tests that share the real node, podman's images or the Venus VMs run in one of them.
+TEST_WORKERS ?= 2
 test: lint typecheck native
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 unit: $(STAMP) native
 	$(BIN)/python -m pytest tests/unit

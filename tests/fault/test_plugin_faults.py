@@ -389,6 +389,16 @@ def test_an_interrupted_demo_exits_130_with_one_line(tmp_path: Path) -> None:
         assert errors.read_text().strip().splitlines()[-1] == "gpuppetti: interrupted", errors.read_text()
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(caught & (1 << (signum - 1)))
+
+
 @pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"], ["discover"], ["doctor"]],
                          ids=lambda c: c[0])
 def test_ctrl_c_while_a_command_starts_is_one_line_and_130(tmp_path: Path, command: list[str]) -> None:
@@ -396,8 +406,11 @@ def test_ctrl_c_while_a_command_starts_is_one_line_and_130(tmp_path: Path, comma
     environment["GPUPPETTI_DEVICE_PLUGIN_DIR"] = str(tmp_path / "dp")
     process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *command], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=environment)
-    # Well inside the imports, which take most of a second.
-    time.sleep(0.1)
+    # Once the command line's first lines have run (it catches SIGHUP from then on; before that, Python itself is
+    # starting, and no program can say anything), inside the imports, which take most of a second.
+    deadline = time.monotonic() + 20
+    while not _catches(process.pid, signal.SIGHUP) and time.monotonic() < deadline:
+        time.sleep(0.005)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=30)
     assert process.returncode == 130, (process.returncode, err)
