@@ -1,4 +1,5 @@
-"""The daemons' one TCP listener: /healthz (ready), /livez (alive), /metrics and /v1/gpus, in the event loop."""
+"""The daemons' one TCP listener: /healthz (ready), /livez (alive), /metrics, /v1/gpus and /v1/slices, in the event
+loop."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 # Returns None when ready, else what it is still waiting for; a ready process may add a note ("ok: ...").
 Readiness = Callable[[], str | None]
 GPUS_PATH = "/v1/gpus"
+SLICES_PATH = "/v1/slices"
 READY_NOTE = "ok: "
 CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -29,8 +31,11 @@ class HttpServer:
         self._metrics = metrics
         self.readiness: Readiness = lambda: "starting"
         self.records: Callable[[], list[dict[str, Any]]] = list
+        # Each slice a container holds (report.slice_records); called in a thread: it reads files.
+        self.slices: Callable[[], list[dict[str, Any]]] = list
         self._server = Server({"/healthz": self._healthz, "/readyz": self._healthz, "/livez": self._livez,
-                               "/metrics": self._metrics_page, GPUS_PATH: self._gpus})
+                               "/metrics": self._metrics_page, GPUS_PATH: self._gpus,
+                               SLICES_PATH: self._slices})
 
     @property
     def address(self) -> str:
@@ -50,6 +55,10 @@ class HttpServer:
     async def _gpus(self) -> Answer:
         # What the running process serves, facts' staleness included: `gpuppetti discover --from` shows it.
         return Answer.json(self.records())
+
+    async def _slices(self) -> Answer:
+        # Who holds which slice and how much of it: `gpuppetti top` shows it.
+        return Answer.json(await asyncio.to_thread(self.slices))
 
     async def _metrics_page(self) -> Answer:
         from prometheus_client import generate_latest

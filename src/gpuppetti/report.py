@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpuppetti.inventory import Snapshot
+from gpuppetti.metrics import SLICE_LABELS, SliceUses
 from gpuppetti.model import Gpu
 from gpuppetti.quantity import format_bytes
 
@@ -49,6 +50,17 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
         # What the Vulkan layer holds a container given one slice to; None for a whole GPU.
         "slice_memory_bytes": slice_memory,
     }
+
+
+def slice_records(source: SliceUses | None) -> list[dict[str, Any]]:
+    """Each slice a container holds, as /v1/slices serves it (and `gpuppetti top` shows it). Blocks: it reads the
+    layer's accounting files."""
+    records = []
+    for labels, use in source.slice_uses() if source is not None else []:
+        record: dict[str, Any] = dict(zip(SLICE_LABELS, labels, strict=True))
+        record.update(budget_bytes=use.budget, used_bytes=use.used, compute_wait_seconds=round(use.waited_seconds, 3))
+        records.append(record)
+    return records
 
 
 def gpu_records(snapshot: Snapshot) -> list[dict[str, Any]]:

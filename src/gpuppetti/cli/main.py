@@ -24,6 +24,7 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "host-agent": daemons.host_agent,
     "discover": tools.discover,
     "doctor": tools.doctor,
+    "top": tools.top,
     "manifests": tools.manifests,
     "demo": tools.demo,
 }

@@ -158,6 +158,23 @@ def build_parser() -> Parser:
            "endpoint (e.g. http://127.0.0.1:9400): its GPUs' health and whether their facts are stale")
     _log_level(discover, "warning")
 
+    top = command(
+        "top", "watch a node's GPU slices live: who holds each, its memory used of its budget, its compute wait",
+        "Show, from a running plugin or DRA driver's HTTP endpoint, each GPU and the slices containers hold of it: "
+        "the namespace/pod/container holding each, the memory its processes use of its budget (as the Vulkan "
+        "layer counts it) and how long its submits waited for its share of the GPU's time. Redraws every "
+        "--interval seconds until Ctrl-C. In a cluster: kubectl exec -n gpuppetti ds/gpuppetti-device-plugin -- "
+        "gpuppetti top (or ds/gpuppetti-dra).",
+    )
+    option(top, "--from", env="GPUPPETTI_HTTP_ADDRESS", convert=values.daemon_address, metavar="ADDRESS",
+           default="http://127.0.0.1:9400", shown_default="http://127.0.0.1:9400, the daemons' default",
+           help="the daemon's HTTP endpoint, as a URL or as its --http-address (:9400 means this machine)")
+    option(top, "--interval", convert=values.seconds, default=2.0, shown_default="2", metavar="SECONDS",
+           help="how often to redraw")
+    top.add_argument("--once", action="store_true", help="print the view once and exit (for scripts)")
+    top.add_argument("--json", action="store_true", help="print the GPUs and slices once as JSON and exit")
+    _log_level(top, "warning")
+
     doctor = command(
         "doctor", "check this node for what gpuppetti needs, and say how to fix what is missing",
         "Check, on a node or inside the plugin's pod, everything gpuppetti depends on: the GPUs and the backend "

@@ -145,6 +145,28 @@ def manifests(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def top(args: argparse.Namespace) -> int:
+    from gpuppetti.top import TopError, fetch, render, watch
+
+    url = getattr(args, "from")
+    out = console()
+    if args.json or args.once:
+        try:
+            view = asyncio.run(fetch(url))
+        except TopError as exc:
+            raise Failure(str(exc)) from None
+        if args.json:
+            print(json.dumps(view.document(), indent=2))
+        else:
+            out.print(render(view, out.width))
+        return EXIT_OK
+    try:
+        asyncio.run(watch(out, url, args.interval))
+    except KeyboardInterrupt:
+        return EXIT_OK  # Ctrl-C is how a live view ends
+    return EXIT_OK
+
+
 def demo(args: argparse.Namespace) -> int:
     if args.image is not None and args.runtime is None:
         raise UsageError("--image is the image the sandbox runs: it needs --runtime podman")

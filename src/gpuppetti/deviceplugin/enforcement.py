@@ -10,6 +10,7 @@ units the plugin no longer advertises go.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -27,6 +28,8 @@ from gpuppetti.vulkanlayer import MAX_SLICES_READ, LayerDir, SliceUse
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 30.0
+# After an Allocate, how long before the kubelet is asked whose container its units went to (for /metrics).
+OWNERS_DELAY_S = 2.0
 # A directory this young may belong to an Allocate the kubelet has not recorded yet.
 GRACE_S = 60.0
 PREFIX = "dp-"
@@ -58,6 +61,8 @@ class Enforcer:
         # Unit -> the (namespace, pod, container) the kubelet last said it is assigned to.
         self._owners: dict[str, tuple[str, str, str]] = {}
         self._said_no_pod_resources = False
+        # Set by an Allocate: the kubelet is asked, shortly after, whose container the units went to.
+        self._allocated = asyncio.Event()
 
     async def start(self, advertised: set[str]) -> None:
         """Forget the allocations of units no longer advertised."""
@@ -82,6 +87,7 @@ class Enforcer:
             self._allocations.pop(other, None)
             self._slices.pop(other, None)
         self._allocations[allocation] = (units, time.monotonic())
+        self._allocated.set()
         self._slices[allocation] = [
             (budget.gpu.id, ",".join(sorted(unit for unit in units if unit.partition("::")[0] == budget.gpu.id)))
             for budget in budgets]
@@ -109,7 +115,13 @@ class Enforcer:
         """Duty: ask the kubelet which units are assigned (and to whom, for /metrics), and remove the directories of
         the others."""
         while True:
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._allocated.wait()
+            if self._allocated.is_set():
+                # The kubelet records an assignment once Allocate has answered: ask a moment later.
+                self._allocated.clear()
+                await asyncio.sleep(OWNERS_DELAY_S)
             if self._allocations:
                 await self.check()
 

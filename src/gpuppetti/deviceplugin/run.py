@@ -16,7 +16,7 @@ from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.metrics import Metrics
-from gpuppetti.report import gpu_records
+from gpuppetti.report import gpu_records, slice_records
 from gpuppetti.runtime import Runtime, StartupError
 from gpuppetti.vulkanlayer import install_layer
 
@@ -74,6 +74,7 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     http = HttpServer(metrics)
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot)
+    http.slices = lambda: slice_records(enforcer)
     if options.http_address:
         await http.start(options.http_address)
         runtime.spawn("http", http.serve())

@@ -29,7 +29,7 @@ from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
 from gpuppetti.kube import REQUEST_TIMEOUT_S, ConfigError, Kube, load_config
 from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
-from gpuppetti.report import gpu_records
+from gpuppetti.report import gpu_records, slice_records
 from gpuppetti.runtime import Runtime, StartupError
 from gpuppetti.vulkanlayer import install_layer
 from gpuppetti.watch import Change, watch_directory
@@ -180,6 +180,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
 
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot)
+    http.slices = lambda: slice_records(state)
 
     runtime.spawn("kubelet-services", _kubelet_services(dra_endpoint, registration_endpoint, driver))
     runtime.spawn("cdi-specs", _keep_cdi_specs(state))
