@@ -57,6 +57,7 @@ typecheck: $(STAMP)
 
 deploy: $(STAMP)
 	$(BIN)/python tools/gen_deploy.py
+	$(BIN)/python tools/gen_dashboard.py
 
 image:
 	$(CONTAINER_TOOL) build -t $(IMAGE) .

@@ -112,6 +112,10 @@ def _host_path(name: str, path: str, kind: str = "Directory") -> dict[str, Any]:
     return {"name": name, "hostPath": {"path": path, "type": kind}}
 
 
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                      "prometheus.io/path": "/metrics"}
+
+
 def _daemonset(options: Options, component: str, args: list[str], mounts: list[dict[str, Any]],
                volumes: list[dict[str, Any]], service_account: str | None) -> dict[str, Any]:
     name = f"gpuppetti-{component}"
@@ -155,7 +159,9 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
         "spec": {
             "selector": {"matchLabels": selector},
             "updateStrategy": {"type": "RollingUpdate"},
-            "template": {"metadata": {"labels": {**LABELS, **selector}}, "spec": spec},
+            # Prometheus's kubernetes_sd pod role reads these (deploy/grafana has a dashboard over what it scrapes).
+            "template": {"metadata": {"labels": {**LABELS, **selector}, "annotations": SCRAPE_ANNOTATIONS},
+                         "spec": spec},
         },
     }
 

@@ -19,6 +19,7 @@ from gpuppetti.vulkanlayer import BUILT, LIBRARY
 from tests.cluster.realnode import RealNode, wait_for, write_config
 from tests.cluster.test_dra import classes, template
 from tests.cluster.test_dra import start as start_driver
+from tests.helpers import run_cli
 
 __all__ = ["classes"]  # the fixture, from the DRA tests
 
@@ -110,3 +111,28 @@ def test_device_plugin_compute_shares_hold_their_containers(node: RealNode, work
     # Four replicas of four are the GPU's whole time (1000 thousandths: not throttled); one is a quarter of it.
     assert whole["gpu_seconds"] / whole["seconds"] >= 0.6, whole
     assert 0.1 <= quarter["gpu_seconds"] / quarter["seconds"] <= 0.4, quarter
+
+
+def test_top_shows_the_pods_holding_memory(node: RealNode, workdir: Path, vulkan_image: str) -> None:
+    """gpuppetti top against the device plugin on the real node: the kubelet's PodResources API names the pods."""
+    path = write_config(workdir, "plugin.yaml", PLUGIN)
+    daemon = node.gpuppetti("gpuppetti-plugin", "plugin", "--config", str(path), "--http-address", "127.0.0.1:0")
+    daemon.wait_ready()
+    node.wait_allocatable("apple.com/gpu", 4)
+    holding = ("--json", "--allocate", "16", "--limit", "256", "--hold", "600")
+    node.apply([workload("holder", vulkan_image, limits={"apple.com/gpu": 1}, args=holding)])
+    url = daemon.http_url()
+
+    def shown() -> list[dict[str, Any]]:
+        result = run_cli("top", "--from", url, "--json")
+        assert result.returncode == 0, result.stderr
+        slices: list[dict[str, Any]] = json.loads(result.stdout)["slices"]
+        return [s for s in slices if s["pod"] == "holder" and s["used_bytes"] == 256 * MIB]
+
+    wait_for("top to show the holder pod's 256 MiB", lambda: bool(shown()), 120, 0.5)
+    [held] = shown()
+    assert (held["namespace"], held["container"], held["budget_bytes"]) == ("default", "vk", 512 * MIB)
+    table = run_cli("top", "--from", url, "--once", env={"COLUMNS": "80"})
+    assert table.returncode == 0, table.stderr
+    assert all(len(line) <= 80 for line in table.stdout.splitlines())
+    assert any("default/holder/vk" in line and "256 MiB" in line for line in table.stdout.splitlines())
