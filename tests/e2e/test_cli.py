@@ -156,3 +156,15 @@ def _get_any(url: str) -> tuple[int, str]:
         return _get(url)
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+@pytest.mark.parametrize(("args", "label"), [([], "plugin"), (["--mode", "dra"], "dra"),
+                                             (["--preset", "minikube-krunkit"], None)])
+def test_manifests_says_which_nodes_its_daemonset_runs_on(args: list[str], label: str | None) -> None:
+    result = run_cli("manifests", *args)
+    assert result.returncode == 0, result.stderr
+    if label is None:
+        assert result.stderr == "", "a preset runs on every node: nothing to label"
+    else:
+        assert result.stderr.strip() == (f"gpuppetti: the DaemonSet runs only on nodes labelled gpuppetti.dev/mode="
+                                         f"{label}: kubectl label node NODE gpuppetti.dev/mode={label}")

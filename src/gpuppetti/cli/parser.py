@@ -207,7 +207,8 @@ def build_parser() -> Parser:
     manifests = command(
         "manifests", "print ready-to-apply YAML for a cluster (gpuppetti manifests | kubectl apply -f -)",
         "Print the Namespace, ConfigMap, DaemonSet (and for DRA the RBAC and DeviceClasses) that run gpuppetti on "
-        "every node. The same objects as `kubectl kustomize deploy/base/<mode>` and the overlays.",
+        "the nodes labelled gpuppetti.dev/mode=<mode> (every node with --preset minikube-krunkit); the labelling "
+        "command goes to stderr. The same objects as `kubectl kustomize deploy/base/<mode>` and the overlays.",
     )
     manifests.add_argument("--mode", type=values.choice("plugin", "dra"), default="plugin", metavar="MODE",
                            help="plugin (the device plugin) or dra (the DRA driver) (default plugin)")

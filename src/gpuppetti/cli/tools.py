@@ -142,6 +142,10 @@ def manifests(args: argparse.Namespace) -> int:
         node_selector=args.preset is None,
     )
     sys.stdout.write(manifests.to_yaml(manifests.render(options)))
+    if options.node_selector:
+        # The DaemonSet runs only where an operator said which mode a node serves: without the label, nothing runs.
+        print(f"gpuppetti: the DaemonSet runs only on nodes labelled {manifests.MODE_LABEL}={args.mode}: "
+              f"kubectl label node NODE {manifests.MODE_LABEL}={args.mode}", file=sys.stderr)
     return EXIT_OK
 
 
