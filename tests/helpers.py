@@ -82,7 +82,7 @@ class DaemonProcess:
     def send(self, signum: int) -> None:
         self.process.send_signal(signum)
 
-    async def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
+    async def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
         async with asyncio.timeout(timeout):
             while text not in self.log():
                 if self.process.poll() is not None:
@@ -90,7 +90,7 @@ class DaemonProcess:
                                          f"{self.log()}")
                 await asyncio.sleep(0.02)
 
-    async def http_url(self, timeout: float = 10.0) -> str:
+    async def http_url(self, timeout: float = 30.0) -> str:
         marker = "/metrics on http://"
         await self.wait_for_log(marker, timeout)
         line = next(line for line in self.log().splitlines() if marker in line)
