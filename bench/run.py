@@ -249,6 +249,10 @@ async def bench_size(workdir: Path, units: int, calls: int, figures: list[Figure
                 f"≤ {goal:g} ms" if goal else "report", first <= goal if goal else None,
                 "from the kubelet's Register handler to the list arriving, after kubelet restarts"))
             if units > 10000:
+                rss = plugin.rss_bytes() / 2**20
+                figures.append(Figure(f"resident memory serving {len(ids):,} units", rss, "MiB", "report", None,
+                                      f"after 10 kubelet restarts; of which shared libraries "
+                                      f"{plugin.rss_file_bytes() / 2**20:.1f} MiB"))
                 return
             allocate_samples, baseline_samples = await _allocate_against_noop(endpoint, ids, calls)
             a50, b50 = percentile(allocate_samples, 50), percentile(baseline_samples, 50)
@@ -284,6 +288,10 @@ async def bench_size(workdir: Path, units: int, calls: int, figures: list[Figure
                 f"p99 {percentile(flips, 99) * 1000:,.1f} ms; a SIGHUP reload flips one GPU's health: config "
                 "parse, discovery, the changed GPU's part of the list, to its arrival at the kubelet; with the "
                 f"emulator's own bookkeeping of the list {statistics.median(observed) * 1000:,.1f} ms"))
+            rss = plugin.rss_bytes() / 2**20
+            figures.append(Figure(f"resident memory serving {len(ids):,} units", rss, "MiB", "report", None,
+                                  f"after 20 reloads; of which shared libraries "
+                                  f"{plugin.rss_file_bytes() / 2**20:.1f} MiB"))
         finally:
             plugin.stop()
 
