@@ -13,7 +13,7 @@ NATIVE_OUT := src/gpuppetti/_native
 NATIVE := $(NATIVE_OUT)/libVkLayer_gpuppetti.so $(NATIVE_OUT)/gpuppetti-vkinfo
 NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native/vulkan-layer/Makefile
 
-.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native dist gpu-check
+.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native dist gpu-check venus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,11 +36,13 @@ demo: $(STAMP) native
 
 # The tests start the daemons as hundreds of processes: their modules are compiled once here, not in each of them
 # (where PYTHONDONTWRITEBYTECODE is set, nothing else would keep the compiled modules).
-# Two workers (pytest-xdist); tests that share the real node, podman's images or the Venus VMs run in one of them.
+# Two workers (pytest-xdist); tests that share the real node or podman's images run in one of them. The Venus tier
+# runs after, alone: its VMs emulate their CPU and would slow every timing of the other tests.
 TEST_WORKERS ?= 2
 test: lint typecheck native
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/venus
+	$(BIN)/python -m pytest tests/venus
 
 unit: $(STAMP) native
 	$(BIN)/python -m pytest tests/unit
@@ -77,6 +79,11 @@ clean:
 	find src tests tools bench -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # On a host with a real GPU: discover, doctor, and the layer holding gpuppetti-vkinfo and wgpu to a slice of it.
+# The Venus tier: gpuppetti from its wheel in a VM whose GPU is a virtio-gpu driven by Mesa's Venus, as in a krunkit
+# VM on an Apple-silicon Mac (../shared/venusnode; root; about 3.5 minutes, plus 2 for the VM's first setup).
+venus: $(STAMP) native
+	$(BIN)/python -m pytest tests/venus
+
 gpu-check: $(STAMP) native
 	$(BIN)/python -m pip install --quiet -e '.[dev,nvml]'
 	PYTHONPATH=. $(BIN)/python tools/gpu_check.py

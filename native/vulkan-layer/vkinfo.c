@@ -1,7 +1,10 @@
 /* gpuppetti-vkinfo: what a container sees of its GPUs through Vulkan, and what it can obtain.
  *
  *   gpuppetti-vkinfo                      the devices, their heaps, budgets and usage, and whether the layer is on
- *   gpuppetti-vkinfo --json               the same as JSON
+ *   gpuppetti-vkinfo --json               the same as JSON, with each device's driver (VK_KHR_driver_properties),
+ *                                         ids, PCI bus address (VK_EXT_pci_bus_info) and DRM nodes
+ *                                         (VK_EXT_physical_device_drm) where the driver reports them: what
+ *                                         `gpuppetti doctor` matches to each GPU's render node
  *   gpuppetti-vkinfo --allocate MIB       allocate MIB-sized chunks of the first device's memory until refused
  *                    [--limit MIB]        and stop once that much is obtained
  *                    [--threads N]        from N threads at once
@@ -155,6 +158,13 @@ struct device_view {
     VkDeviceSize max_allocation;
     uint32_t heap_count;
     struct heap_view heaps[VK_MAX_MEMORY_HEAPS];
+    /* Which driver serves the device, and where it sits: each only where the driver has the extension. */
+    bool has_driver;
+    VkPhysicalDeviceDriverPropertiesKHR driver;
+    bool has_pci;
+    VkPhysicalDevicePCIBusInfoPropertiesEXT pci;
+    bool has_drm;
+    VkPhysicalDeviceDrmPropertiesEXT drm;
 };
 
 static void view_device(VkPhysicalDevice physical, struct device_view *view)
@@ -163,8 +173,31 @@ static void view_device(VkPhysicalDevice physical, struct device_view *view)
     VkPhysicalDeviceMaintenance3Properties maintenance3 = {
         .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
     VkPhysicalDeviceIDProperties id = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_ID_PROPERTIES, .pNext = &maintenance3};
+    /* A structure goes into the chain only where the device has its extension: the instance asks for Vulkan 1.1. */
+    view->driver.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES_KHR;
+    view->pci.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT;
+    view->drm.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRM_PROPERTIES_EXT;
+    view->has_driver = device_has(physical, VK_KHR_DRIVER_PROPERTIES_EXTENSION_NAME);
+    view->has_pci = device_has(physical, VK_EXT_PCI_BUS_INFO_EXTENSION_NAME);
+    view->has_drm = device_has(physical, VK_EXT_PHYSICAL_DEVICE_DRM_EXTENSION_NAME);
+    if (view->has_driver) {
+        view->driver.pNext = id.pNext;
+        id.pNext = &view->driver;
+    }
+    if (view->has_pci) {
+        view->pci.pNext = id.pNext;
+        id.pNext = &view->pci;
+    }
+    if (view->has_drm) {
+        view->drm.pNext = id.pNext;
+        id.pNext = &view->drm;
+    }
     VkPhysicalDeviceProperties2 properties = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &id};
     vkGetPhysicalDeviceProperties2(physical, &properties);
+    /* Only the structures' own fields are read later: their chain pointed at locals of this function. */
+    view->driver.pNext = NULL;
+    view->pci.pNext = NULL;
+    view->drm.pNext = NULL;
     view->properties = properties.properties;
     memcpy(view->uuid, id.deviceUUID, VK_UUID_SIZE);
     view->max_allocation = maintenance3.maxMemoryAllocationSize;
@@ -205,6 +238,74 @@ static void print_json_string(const char *text)
     putchar('"');
 }
 
+static void print_version(uint32_t version)
+{
+    printf("%u.%u.%u", VK_API_VERSION_MAJOR(version), VK_API_VERSION_MINOR(version), VK_API_VERSION_PATCH(version));
+}
+
+/* The driver that serves the device, its ids, and where it sits (PCI bus address, DRM nodes), as JSON members. */
+static void print_json_where(const struct device_view *view)
+{
+    printf("\"vendor_id\": %u, \"device_id\": %u, \"api_version\": \"", view->properties.vendorID,
+           view->properties.deviceID);
+    print_version(view->properties.apiVersion);
+    printf("\", \"driver\": ");
+    if (view->has_driver) {
+        printf("{\"id\": %d, \"name\": ", (int)view->driver.driverID);
+        print_json_string(view->driver.driverName);
+        printf(", \"info\": ");
+        print_json_string(view->driver.driverInfo);
+        printf("}");
+    } else {
+        printf("null");
+    }
+    printf(", \"pci_bus\": ");
+    if (view->has_pci) {
+        printf("\"%04x:%02x:%02x.%x\"", view->pci.pciDomain, view->pci.pciBus, view->pci.pciDevice,
+               view->pci.pciFunction);
+    } else {
+        printf("null");
+    }
+    printf(", \"drm\": ");
+    if (view->has_drm) {
+        printf("{\"primary\": ");
+        if (view->drm.hasPrimary) {
+            printf("\"%lld:%lld\"", (long long)view->drm.primaryMajor, (long long)view->drm.primaryMinor);
+        } else {
+            printf("null");
+        }
+        printf(", \"render\": ");
+        if (view->drm.hasRender) {
+            printf("\"%lld:%lld\"", (long long)view->drm.renderMajor, (long long)view->drm.renderMinor);
+        } else {
+            printf("null");
+        }
+        printf("}");
+    } else {
+        printf("null");
+    }
+}
+
+static void print_text_where(const struct device_view *view)
+{
+    printf("  driver: ");
+    if (view->has_driver) {
+        printf("%s (%s)", view->driver.driverName, view->driver.driverInfo);
+    } else {
+        printf("unknown");
+    }
+    printf(", ids %04x:%04x, Vulkan ", view->properties.vendorID, view->properties.deviceID);
+    print_version(view->properties.apiVersion);
+    if (view->has_pci) {
+        printf(", PCI %04x:%02x:%02x.%x", view->pci.pciDomain, view->pci.pciBus, view->pci.pciDevice,
+               view->pci.pciFunction);
+    }
+    if (view->has_drm && view->drm.hasRender) {
+        printf(", render node %lld:%lld", (long long)view->drm.renderMajor, (long long)view->drm.renderMinor);
+    }
+    printf("\n");
+}
+
 static void report(bool json, bool layer, VkPhysicalDevice *physicals, uint32_t count)
 {
     const char *slices = getenv("GPUPPETTI_VK_SLICES");
@@ -239,8 +340,10 @@ static void report(bool json, bool layer, VkPhysicalDevice *physicals, uint32_t 
             print_json_string(view.properties.deviceName);
             printf(", \"type\": \"%s\", \"uuid\": \"", type_name(view.properties.deviceType));
             print_uuid(stdout, view.uuid);
-            printf("\", \"memory_budget\": %s, \"max_allocation\": %llu, \"heaps\": [",
-                   view.has_budget ? "true" : "false", (unsigned long long)view.max_allocation);
+            printf("\", \"memory_budget\": %s, \"max_allocation\": %llu, ", view.has_budget ? "true" : "false",
+                   (unsigned long long)view.max_allocation);
+            print_json_where(&view);
+            printf(", \"heaps\": [");
             for (uint32_t h = 0; h < view.heap_count; h++) {
                 printf("%s{\"size\": %llu, \"device_local\": %s, \"budget\": %llu, \"usage\": %llu}", h ? ", " : "",
                        (unsigned long long)view.heaps[h].size, view.heaps[h].local ? "true" : "false",
@@ -251,6 +354,7 @@ static void report(bool json, bool layer, VkPhysicalDevice *physicals, uint32_t 
             printf("device %u: %s (%s), uuid ", d, view.properties.deviceName, type_name(view.properties.deviceType));
             print_uuid(stdout, view.uuid);
             printf(", largest allocation %llu MiB\n", (unsigned long long)(view.max_allocation >> 20));
+            print_text_where(&view);
             for (uint32_t h = 0; h < view.heap_count; h++) {
                 printf("  heap %u: %llu MiB%s", h, (unsigned long long)(view.heaps[h].size >> 20),
                        view.heaps[h].local ? ", device-local" : "");

@@ -1,14 +1,25 @@
-"""``gpuppetti demo``: the plugin with simulated GPUs against the built-in kubelet, in a temporary directory."""
+"""``gpuppetti demo``: the plugin against the built-in kubelet, in a temporary directory, on the GPUs the config's
+backend finds: simulated ones by default, or the node's own (``backend: drm``, ``auto``, ...).
+
+With ``--runtime podman`` each admitted pod also runs as a real container. On simulated GPUs its image holds Mesa's
+lavapipe (the sandbox's own); on a node's real GPUs, it is built here from the node's files: a static busybox, the
+Vulkan loader, and the Vulkan drivers of those GPUs (Venus for a virtio-gpu, RADV, ANV, NVIDIA's) with the libraries
+they load, so that each container reaches its GPU through the device node its Allocate answer names.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import os
 import secrets
 import shutil
+import tarfile
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from rich.console import Console, RenderableType
@@ -18,16 +29,17 @@ from gpuppetti import cdi
 from gpuppetti.config import Config, load_config, parse_config
 from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
-from gpuppetti.discovery import backends_for, discover
+from gpuppetti.discovery import BackendUnavailable, backends_for, discover, looked_at
 from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
+from gpuppetti.model import Gpu, Vendor
 from gpuppetti.quantity import format_bytes
 from gpuppetti.report import gpu_records, print_gpus
 from gpuppetti.runtime import Runtime
-from gpuppetti.sandbox import PodmanSandbox, SandboxError, Seen
+from gpuppetti.sandbox import BUSYBOX, PODMAN_FLAGS, VULKAN_LOADER, PodmanSandbox, SandboxError, Seen
 from gpuppetti.sharing.replicas import plan_remarks
 from gpuppetti.tables import Column, Prose, print_table, print_trimmed
-from gpuppetti.vulkanlayer import Enforcement, install_layer
+from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, Enforcement, install_layer
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1
@@ -87,15 +99,32 @@ class DemoError(Exception):
         self.bad_input = bad_input
 
 
+def demo_gpus(config: Config, backend: str | None = None, host_root: Path = Path("/")) -> list[Gpu]:
+    """The GPUs the demo slices: what the config's backend (or ``backend``) finds under ``host_root``, as the
+    plugin would find them, and the config's simulated ones. Blocks: run it in a thread. Raises DemoError."""
+    skipped: list[str] = []
+    try:
+        backends = backends_for(config, backend, host_root, skipped)
+    except BackendUnavailable as exc:
+        raise DemoError(f"the demo config {config.source}: {exc}") from None
+    gpus = discover(backends)
+    if not gpus:
+        chosen = backend or config.backend
+        searched = "; ".join(item for item in [*skipped, *looked_at(backends)] if not item.startswith("simulated"))
+        found_none = f", and backend {chosen} found none here ({searched})" if chosen != "simulated" else ""
+        raise DemoError(f"the demo config {config.source} has no simulated GPUs (simulated.gpus){found_none}",
+                        bad_input=True)
+    return gpus
+
+
 async def run_demo(
-    config_path: Path | None, console: Console, runtime: str | None = None, image: str | None = None
+    config_path: Path | None, console: Console, runtime: str | None = None, image: str | None = None,
+    host_root: Path = Path("/"), backend: str | None = None,
 ) -> int:
     """The demo; returns the exit code (130 when interrupted). Raises DemoError, before anything starts, when it
     cannot run."""
     config = demo_config(config_path, sandbox=runtime is not None)
-    gpus = discover(backends_for(config, "simulated"))
-    if not gpus:
-        raise DemoError(f"the demo config {config.source} has no simulated GPUs (simulated.gpus)", bad_input=True)
+    gpus = await asyncio.to_thread(demo_gpus, config, backend, host_root)
     for remark in plan_remarks(gpus, config.sharing.time_slicing):
         label = "[yellow]warning:[/yellow]" if remark.warning else "note:"
         console.print(f"{label} {config.source}: {remark.path}: {remark.why}", highlight=False)
@@ -112,6 +141,9 @@ async def run_demo(
         section = config.plugin.model_copy(update={"device_list_strategy": ["envvar", "cdi-cri"]})
         config = config.model_copy(update={"plugin": section})
         try:
+            if image is None and any(not gpu.simulated for gpu in gpus):
+                # The node's own GPUs: an image with their Vulkan drivers, built from this machine's files.
+                sandbox = PodmanSandbox(await node_image(gpus))
             await sandbox.ensure_image()
         except SandboxError as exc:
             raise DemoError(str(exc), bad_input=image is not None) from None
@@ -210,7 +242,8 @@ async def _run_containers(
             try:
                 seen = await sandbox.run(name, allocation.response)
             except SandboxError as exc:
-                rows.append([pod.name, "", Text(str(exc), style="red"), ""])
+                # Its row says why, in the widest column; the others stay empty.
+                rows.append([pod.name, "", "", "", Text(str(exc), style="red"), "", ""])
                 continue
             devices = [f for f in seen.flags if "=" in f and not f.startswith("GPUPPETTI")]
             slice_memory, heap, obtained = _vulkan_view(seen)
@@ -263,6 +296,7 @@ def _print_pods(console: Console, outcomes: list[tuple[Pod, list[ContainerAlloca
     rows: list[list[RenderableType]] = []
     # With one resource, its name in every row would only make the table wider.
     resources = {r for pod, _ in outcomes for c in pod.containers for r in c.requests}
+    devices = False
     for pod, outcome in outcomes:
         request = ", ".join(str(n) if len(resources) == 1 else f"{r}: {n}"
                             for c in pod.containers for r, n in c.requests.items())
@@ -271,9 +305,147 @@ def _print_pods(console: Console, outcomes: list[tuple[Pod, list[ContainerAlloca
             rows.append([pod.name, request, why])
             continue
         for allocation in outcome:
-            env = "\n".join(f"{k}={v}" for k, v in sorted(allocation.response.envs.items()))
-            rows.append([pod.name, request, env])
+            # A real GPU's device nodes, which the runtime creates in the container (a simulated GPU has none).
+            lines = [f"device {spec.container_path}" for spec in allocation.response.devices]
+            devices = devices or bool(lines)
+            lines += [f"{k}={v}" for k, v in sorted(allocation.response.envs.items())]
+            rows.append([pod.name, request, "\n".join(lines)])
     one = len(resources) == 1
     columns = [Column("pod"), Column("slices" if one else "asks for", 5, "right"),
-               Column("env in the container, or why not")]
+               Column("device nodes and env in the container, or why not" if devices else
+                      "env in the container, or why not")]
     print_table(console, f"Pods, asking for {next(iter(resources))}" if one else "Pods", columns, rows)
+
+
+# -- an image for the node's own GPUs: their Vulkan drivers, from this machine ----------------------------------
+
+NODE_IMAGE = "localhost/gpuppetti-sandbox"
+ICD_DIRS = (Path("/usr/share/vulkan/icd.d"), Path("/etc/vulkan/icd.d"))
+# Mesa's device selection layer, which reads MESA_VK_DEVICE_SELECT: a container with its GPU's driver has it too.
+DEVICE_SELECT = Path("/usr/share/vulkan/implicit_layer.d/VkLayer_MESA_device_select.json")
+# The drivers a container needs to reach each kind of GPU, by their ICD manifests' names. Apple's GPU reaches a
+# krunkit VM as a virtio-gpu, which Mesa's Venus drives; a simulated GPU is whatever device the container has
+# (lavapipe, Mesa's CPU driver).
+DRIVER_MANIFESTS: dict[Vendor | None, tuple[str, ...]] = {
+    Vendor.VIRTIO: ("virtio_icd*.json",),
+    Vendor.APPLE: ("virtio_icd*.json",),
+    Vendor.AMD: ("radeon_icd*.json",),
+    Vendor.INTEL: ("intel_icd*.json", "intel_hasvk_icd*.json"),
+    Vendor.NVIDIA: ("nvidia_icd*.json", "nouveau_icd*.json"),
+    None: ("lvp_icd*.json",),
+}
+IMAGE_APPLETS = ("sh", "env", "ls", "cat", "grep", "sort", "echo")
+
+
+def driver_manifests(gpus: Iterable[Gpu], directories: Sequence[Path] = ICD_DIRS) -> list[Path]:
+    """The ICD manifests on this machine of the drivers that serve ``gpus``."""
+    patterns: list[str] = []
+    for gpu in gpus:
+        for pattern in DRIVER_MANIFESTS.get(None if gpu.simulated else gpu.vendor, ()):
+            if pattern not in patterns:
+                patterns.append(pattern)
+    found: list[Path] = []
+    for pattern in patterns:
+        for directory in directories:
+            found += [path for path in sorted(directory.glob(pattern)) if path not in found]
+    return found
+
+
+def library_of(manifest: Path, key: str = "ICD") -> Path | None:
+    """The library a driver's (or layer's) manifest names, as the dynamic linker would find it here."""
+    try:
+        named = str(json.loads(manifest.read_text(encoding="utf-8"))[key]["library_path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if "/" in named:
+        path = Path(named) if named.startswith("/") else manifest.parent / named
+        return path if path.is_file() else None
+    for directory in (VULKAN_LOADER.parent, Path("/usr/lib64"), Path("/usr/lib"), Path("/lib64")):
+        if (directory / named).is_file():
+            return directory / named
+    return None
+
+
+async def _ldd(binaries: Iterable[Path]) -> list[Path]:
+    """The binaries and every library they load, as ldd names them (none for a static one)."""
+    found: dict[str, Path] = {}
+    for binary in binaries:
+        found[str(binary)] = binary
+        process = await asyncio.create_subprocess_exec("ldd", str(binary), stdout=asyncio.subprocess.PIPE,
+                                                       stderr=asyncio.subprocess.STDOUT)
+        stdout, _ = await process.communicate()
+        if process.returncode != 0:
+            if b"not a dynamic executable" in stdout:
+                continue
+            raise SandboxError(f"ldd {binary} failed: cannot tell which libraries its image needs")
+        for line in stdout.decode(errors="replace").splitlines():
+            path = line.split("=>")[-1].split("(")[0].strip()
+            if path.startswith("/"):
+                found[path] = Path(path)
+    return list(found.values())
+
+
+async def node_image(gpus: Sequence[Gpu], podman: str = "podman") -> str:
+    """A local image with a static busybox, the Vulkan loader and the drivers of ``gpus`` from this machine, tagged
+    by a digest of what went in (built once). Raises SandboxError where this machine lacks them."""
+    manifests = driver_manifests(gpus)
+    if not manifests:
+        kinds = ", ".join(sorted({gpu.vendor.value for gpu in gpus}))
+        raise SandboxError(f"no Vulkan driver for the GPUs here ({kinds}) in {', '.join(map(str, ICD_DIRS))}: the "
+                           "containers could not reach them (Debian: mesa-vulkan-drivers)")
+    if not VULKAN_LOADER.is_file():
+        raise SandboxError(f"no Vulkan loader at {VULKAN_LOADER} to build the containers' image from (Debian: "
+                           "libvulkan1)")
+    layers = [DEVICE_SELECT] if DEVICE_SELECT.is_file() and library_of(DEVICE_SELECT, "layer") else []
+    binaries = [VULKAN_LOADER]
+    for manifest in manifests:
+        if (library := library_of(manifest)) is not None:
+            binaries.append(library)
+    binaries += [library for layer in layers if (library := library_of(layer, "layer")) is not None]
+    # What the slice layer and its probe load, which are mounted in, not copied (libpthread.so.0 for the layer,
+    # which a newer glibc's drivers no longer bring): without it the loader skips the layer without a word.
+    mounted = [BUILT / name for name in (LIBRARY, PROBE) if (BUILT / name).is_file()]
+    # And busybox's, where it is not the static one (a distribution's busybox package).
+    libraries = [path for path in await _ldd([*binaries, *mounted, BUSYBOX]) if path not in (*mounted, BUSYBOX)]
+    files = [BUSYBOX, *libraries, *manifests, *layers]
+    digest = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    tag = f"{NODE_IMAGE}:node-{digest.hexdigest()[:16]}"
+    exists = await _podman(podman, "image", "exists", tag)
+    if exists[0] == 0:
+        return tag
+    with tempfile.TemporaryDirectory(prefix="gpuppetti-image-") as workdir:
+        root = Path(workdir) / "root"
+        for directory in ("bin", "dev", "proc", "sys", "tmp", "usr/local/bin", "etc/vulkan/implicit_layer.d"):
+            (root / directory).mkdir(parents=True)
+        shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+        for applet in IMAGE_APPLETS:
+            os.symlink("busybox", root / "bin" / applet)
+        for path in [*libraries, *manifests, *layers]:
+            # The file itself, at the path it is asked for by (no links to follow inside the image).
+            target = root / path.relative_to("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path.resolve(), target)
+            os.chmod(target, 0o755 if path in libraries else 0o644)
+        archive = Path(workdir) / "rootfs.tar"
+        with tarfile.open(archive, "w") as tar:
+            tar.add(root, arcname=".")
+        code, stderr = await _podman(podman, "import", str(archive), tag)
+    if code != 0:
+        raise SandboxError(f"building {tag} from this machine's files failed: {stderr.strip()}")
+    return tag
+
+
+async def _podman(podman: str, *args: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(podman, *PODMAN_FLAGS, *args, stdout=asyncio.subprocess.DEVNULL,
+                                                   stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(300):
+            _, stderr = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise SandboxError(f"podman {args[0]} did not finish in 300s") from None
+    return process.returncode or 0, stderr.decode(errors="replace")

@@ -89,7 +89,7 @@ CASES = [
 def workdir(tmp_path: Path) -> Path:
     (tmp_path / "typo.yaml").write_text(TYPO_CONFIG)
     (tmp_path / "gpu.yaml").write_text(GPU_CONFIG)
-    (tmp_path / "no-gpus.yaml").write_text("version: v1\n")
+    (tmp_path / "no-gpus.yaml").write_text("version: v1\nbackend: simulated\n")
     (tmp_path / "empty-token").write_text("")
     return tmp_path
 

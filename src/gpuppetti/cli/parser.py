@@ -248,13 +248,18 @@ def build_parser() -> Parser:
     _log_level(agent)
 
     demo = command(
-        "demo", "run the plugin on simulated GPUs against the built-in kubelet emulator",
-        "Start the device plugin with simulated GPUs (by default two Apple M3 Max, 40 cores, 4 slices each) "
-        "against the built-in kubelet emulator in a temporary directory, admit a handful of pods, and print which "
-        "pod got which slice and the env it would see. Needs no cluster, root or GPU.",
+        "demo", "run the plugin on simulated GPUs, or this node's own, against the built-in kubelet emulator",
+        "Start the device plugin with the GPUs the config's backend finds (by default two simulated Apple M3 Max, "
+        "40 cores, 4 slices each; backend drm for this node's own) against the built-in kubelet emulator in a "
+        "temporary directory, admit a handful of pods, and print which pod got which slice and the device nodes "
+        "and env it would see. Needs no cluster; simulated GPUs need no root or GPU.",
     )
     option(demo, "--config", convert=values.path, metavar="PATH", shown_default="the built-in demo config",
-           help="YAML config with simulated GPUs")
+           help="YAML config: simulated GPUs, or a backend that finds this node's")
+    option(demo, "--backend", env="GPUPPETTI_BACKEND", convert=values.choice(*BACKENDS), metavar="NAME",
+           shown_default="the config's backend", help=f"discovery backend: {', '.join(BACKENDS)}")
+    option(demo, "--host-root", env="GPUPPETTI_HOST_ROOT", convert=values.directory, metavar="DIR",
+           default=Path("/"), help="where the host's /sys and /dev are mounted")
     demo.add_argument("--runtime", type=values.choice("podman"), default=None, metavar="RUNTIME",
                       help="podman: also run each admitted pod as a real container, applying its CDI devices, env, "
                       "device nodes and mounts, and show what it saw inside (needs root, podman, runc and "

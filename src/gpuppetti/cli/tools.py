@@ -177,7 +177,7 @@ def demo(args: argparse.Namespace) -> int:
     from gpuppetti.demo import DemoError, run_demo
 
     try:
-        code = asyncio.run(run_demo(args.config, console(), args.runtime, args.image))
+        code = asyncio.run(run_demo(args.config, console(), args.runtime, args.image, args.host_root, args.backend))
     except DemoError as exc:
         raise Failure(str(exc), EXIT_CONFIG if exc.bad_input else EXIT_FAILURE) from None
     if code == EXIT_INTERRUPTED:

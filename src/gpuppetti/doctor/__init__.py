@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gpuppetti.doctor import checks
+from gpuppetti.doctor import checks, vulkan, window
 from gpuppetti.doctor.checks import Settings
 from gpuppetti.doctor.result import MARKS, Result, Status
 
@@ -18,7 +18,9 @@ __all__ = ["Result", "Settings", "Status", "checkup", "print_checkup"]
 async def checkup(settings: Settings) -> list[Result]:
     results, found = await asyncio.to_thread(checks.config_and_gpus, settings.sources)
     host = settings.sources.host_root
+    gpus = found.gpus if found is not None else []
     async with asyncio.TaskGroup() as group:
+        drivers = group.create_task(vulkan.driver_checks(gpus, host), name="doctor-vulkan-drivers")
         agent = group.create_task(checks.host_agent_check(settings.sources, found), name="doctor-host-agent")
         plugins = group.create_task(checks.device_plugin_dir(settings.device_plugin_dir, settings.mode),
                                     name="doctor-dp-dir")
@@ -35,6 +37,8 @@ async def checkup(settings: Settings) -> list[Result]:
         *runtime.result(),
         checks.cdi_dir_check(settings.cdi_dir),
         checks.vulkan_check(host),
+        *(drivers.result() if gpus else []),
+        *window.window_checks(gpus, checks.slice_sizes(found), host),
         checks.layer_check(settings.vulkan_layer_dir),
         daemon.result(),
     ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from gpuppetti.doctor import cri
 from gpuppetti.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.hostagent.client import AgentError
 from gpuppetti.httpclient import FetchError, get
+from gpuppetti.inventory import Inventory
 from gpuppetti.nodepaths import CRI_SOCKETS, KUBELET_SOCKET
 from gpuppetti.quantity import format_bytes
 from gpuppetti.sharing.replicas import plan_remarks
@@ -76,6 +78,23 @@ def config_and_gpus(sources: Sources) -> tuple[list[Result], Discovered | None]:
     return results, found
 
 
+def slice_sizes(found: Discovered | None) -> dict[str, list[int]]:
+    """Each GPU's time-sliced replicas' memory, in bytes, by GPU id (none for a whole GPU, or one whose memory is
+    unknown)."""
+    if found is None:
+        return {}
+    try:
+        plan = Inventory(found.config, found.gpus).snapshot.plan
+    except ConfigError:
+        return {}  # said by the config check
+    sizes: dict[str, list[int]] = {}
+    for resource in plan.values():
+        for unit in resource.units:
+            if unit.shared and unit.size is not None and unit.size.memory:
+                sizes.setdefault(unit.gpu_id, []).append(unit.size.memory)
+    return sizes
+
+
 async def host_agent_check(sources: Sources, found: Discovered | None) -> Result:
     check = "host agent"
     agent = host_agent(sources, found.config) if found is not None else None
@@ -101,11 +120,11 @@ async def device_plugin_dir(directory: Path, mode: str) -> Result:
         return fail(check, f"{directory} does not exist: no kubelet serves device plugins here", kubelet_fix)
     if not os.access(directory, os.W_OK | os.X_OK):
         return fail(check, f"{directory}: no permission to create sockets there", "run as root")
-    socket = directory / KUBELET_SOCKET
-    problem = await _socket_problem(socket)
+    kubelet = directory / KUBELET_SOCKET
+    problem = await _socket_problem(kubelet)
     if problem is not None:
-        return fail(check, f"{socket}: {problem}", kubelet_fix)
-    return ok(check, f"{socket} accepts connections")
+        return fail(check, f"{kubelet}: {problem}", kubelet_fix)
+    return ok(check, f"{kubelet} accepts connections")
 
 
 async def registry_dir(directory: Path, mode: str) -> Result:
@@ -125,21 +144,21 @@ async def registry_dir(directory: Path, mode: str) -> Result:
 async def runtime_checks(endpoint: Path | None, host_root: Path, cdi_dir: Path) -> list[Result]:
     check = "container runtime"
     candidates = [endpoint] if endpoint is not None else _cri_candidates(host_root)
-    socket = next((path for path in candidates if _is_socket(path)), None)
-    if socket is None:
+    found = next((path for path in candidates if _is_socket(path)), None)
+    if found is None:
         looked = ", ".join(str(path) for path in candidates)
         return [fail(check, f"no CRI socket at {looked}",
                      "pass the runtime's socket with --runtime-endpoint (env CONTAINER_RUNTIME_ENDPOINT); in a pod, "
                      "mount the host's / at /host and pass --host-root /host")]
-    if (problem := await _socket_problem(socket)) is not None:
-        return [fail(check, f"{socket}: {problem}", "is the container runtime running? (as root for its socket)")]
+    if (problem := await _socket_problem(found)) is not None:
+        return [fail(check, f"{found}: {problem}", "is the container runtime running? (as root for its socket)")]
     try:
-        facts = await cri.ask(socket)
+        facts = await cri.ask(found)
     except cri.RuntimeUnreachable as exc:
-        return [fail(check, f"{socket}: {exc}", "use containerd 1.7+ or CRI-O 1.23+")]
-    results = [ok(check, f"{facts.describe()} at {socket}")]
+        return [fail(check, f"{found}: {exc}", "use containerd 1.7+ or CRI-O 1.23+")]
+    results = [ok(check, f"{facts.describe()} at {found}")]
     if facts.not_ready:
-        results[0] = warn(check, f"{facts.describe()} at {socket}, not ready: {', '.join(facts.not_ready)}",
+        results[0] = warn(check, f"{facts.describe()} at {found}, not ready: {', '.join(facts.not_ready)}",
                           "see the runtime's log")
     results.append(cri.judge_cdi(facts, cdi_dir))
     return results
@@ -147,10 +166,10 @@ async def runtime_checks(endpoint: Path | None, host_root: Path, cdi_dir: Path) 
 
 def _cri_candidates(host_root: Path) -> list[Path]:
     paths: list[Path] = []
-    for socket in CRI_SOCKETS:
+    for candidate in CRI_SOCKETS:
         if str(host_root) != "/":
-            paths.append(host_root / socket.relative_to("/"))
-        paths.append(socket)
+            paths.append(host_root / candidate.relative_to("/"))
+        paths.append(candidate)
     return paths
 
 
@@ -237,9 +256,16 @@ async def _socket_problem(path: Path) -> str | None:
         return "does not exist"
     if not _is_socket(path):
         return "is not a socket"
+    # In a thread, timed by the socket itself: the other checks share the event loop, and a slow machine (an
+    # emulated CPU, a loaded node) can stall it longer than the connection takes.
+    return await asyncio.to_thread(_connect, path)
+
+
+def _connect(path: Path) -> str | None:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    client.settimeout(SOCKET_TIMEOUT_S)
     try:
-        async with asyncio.timeout(SOCKET_TIMEOUT_S):
-            _, writer = await asyncio.open_unix_connection(str(path))
+        client.connect(str(path))
     except TimeoutError:
         return f"no connection within {SOCKET_TIMEOUT_S:g}s"
     except PermissionError:
@@ -248,7 +274,8 @@ async def _socket_problem(path: Path) -> str | None:
         return "refuses connections: what made it has stopped"
     except OSError as exc:
         return exc.strerror or str(exc)
-    writer.close()
+    finally:
+        client.close()
     return None
 
 

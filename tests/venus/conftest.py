@@ -1,0 +1,108 @@
+"""The venus tier: gpuppetti in a VM whose GPU is a virtio-gpu driven by Mesa's Venus (../shared/venusnode).
+
+The kit is set up once per machine (its chroot is kept in GPUPPETTI_VENUS_DIR, default /tmp/gpuppetti-venus); the
+wheel built from a clean clone (or GPUPPETTI_VENUS_WHEEL) is installed into it with pip; then each module boots one
+VM that runs a batch of scenarios through gpuppetti's commands and writes what it saw into a shared directory,
+which the tests judge. Where the tier cannot run (not root, no kit, the Debian archive or PyPI unreachable) every
+test here is skipped with a one-line reason. At the end of the run, the summary says where the tier's time went
+(under pytest-xdist, whose summary never sees this conftest: $GPUPPETTI_VENUS_DIR/last-run-timings.txt).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.apps.support import WGPU
+from tests.venus import venusnode
+from tests.venus.venusnode import TIMINGS, Batch, CannotRun, Guest
+
+GUEST = Path(__file__).resolve().parent / "guest"
+WGPU_APP = venusnode.REPO / "tests" / "apps" / "wgpu_app.py"
+MIB = 2**20
+# The node's config: the README's virtio config with memory a CPU's lavapipe can hold (four slices of 512 MiB),
+# and each slice also held to its share of the GPU's time.
+NODE_CONFIG = """\
+version: v1
+backend: drm
+virtio:
+  vendor: apple
+  model: Apple M3 Max
+  cores: 40
+  memory: 2Gi
+sharing:
+  enforceCompute: true
+  timeSlicing:
+    resources:
+      - {name: apple.com/gpu, replicas: 4}
+"""
+SLICE = 512 * MIB
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/venus/" in str(item.path) and item.path.name.startswith("test_guest_"):
+            item.add_marker(pytest.mark.venus)
+            # The first test of a module waits for its VM (and the first of all for setup and installs).
+            item.add_marker(pytest.mark.timeout(1800))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if TIMINGS.entries:
+        terminalreporter.write_sep("-", "venus tier: where the time went")
+        for line in TIMINGS.lines():
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def guest(request: pytest.FixtureRequest) -> Guest:
+    reason = venusnode.why_not()
+    if reason is not None:
+        pytest.skip(f"venus tier skipped: {reason}")
+    try:
+        venusnode.setup()
+        given = os.environ.get(venusnode.WHEEL_ENV)
+        wheel = Path(given) if given else request.getfixturevalue("clean_wheel")
+        venv = venusnode.install_wheel(wheel)
+        apps = venusnode.install_apps((WGPU,))
+    except CannotRun as exc:
+        pytest.skip(f"venus tier skipped: {exc}")
+    return Guest(venv, apps)
+
+
+def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, script: str, **options: Any) -> Batch:
+    """Boot one VM running the guest script ``script`` over a fresh work directory (shared read-write)."""
+    work = tmp_path_factory.mktemp(f"venus-{label}")
+    for name in ("driver.py", "wgpu_slice.py", script):
+        shutil.copy2(GUEST / name, work / name)
+    shutil.copy2(WGPU_APP, work / "wgpu_app.py")
+    (work / "node.yaml").write_text(NODE_CONFIG)
+    (work / "readme.yaml").write_text(venusnode.readme_virtio_config())
+    command = ["sh", str(work / script), str(work), str(guest.venv), str(guest.apps)]
+    run = venusnode.run_vm(label, command, work, **options)
+    if run.stalled is not None:
+        # The emulated machine stopped moving (it does, now and then, on a loaded host): once more, from scratch.
+        shutil.rmtree(work / "out", ignore_errors=True)
+        run = venusnode.run_vm(f"{label}, again", command, work, **options)
+    result = Batch(run, work / "out")
+    assert run.stalled is None, f"the {label} VM stalled twice ({run.stalled}):\n{result.context()}"
+    assert run.code == 0, f"the {label} VM failed:\n{result.context()}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, guest: Guest) -> Iterator[Batch]:
+    """The node's batch: the plugin with the kubelet emulator and containers, discover and doctor. The guest's
+    own lavapipe is shown too (--guest-lavapipe), so that the GPU's driver must be told apart from another."""
+    yield batch(tmp_path_factory, guest, "node", "node.sh", guest_lavapipe=True)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory, guest: Guest) -> Iterator[Batch]:
+    """The demo's batch, in a VM whose host-visible window (256 MiB) is smaller than a slice (512 MiB)."""
+    yield batch(tmp_path_factory, guest, "demo", "demo.sh", hostmem="256M")

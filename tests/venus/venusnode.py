@@ -1,0 +1,301 @@
+"""The venus tier's machine: a throw-away VM whose guest sees a virtio-gpu with Mesa's Venus, from the shared
+`venusnode` kit (what a krunkit/libkrun VM on an Apple-silicon Mac sees, with the host's lavapipe where the Mac has
+MoltenVK and Metal).
+
+The kit's chroot is set up once per state directory (``setup.sh``); the project goes into it as a user installs it,
+a wheel installed with pip into a venv (its dependencies from PyPI, through the kit's ``chroot.sh``); each VM then
+boots that chroot read-only (``run.sh``), runs one script of batched scenarios, and powers off. The guest's CPU is
+emulated: every Python start costs seconds, so scenarios are batched, one VM per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import fenced_blocks
+
+REPO = Path(__file__).resolve().parents[2]
+# Where the kit lives beside the repository; VENUSNODE_KIT points elsewhere.
+KIT = Path(os.environ.get("VENUSNODE_KIT", REPO.parent / "shared" / "venusnode"))
+# The tier's own state dir (the chroot, about 1.3 GB), kept between runs so that setup runs once per machine.
+STATE_DIR = Path(os.environ.get("GPUPPETTI_VENUS_DIR", "/tmp/gpuppetti-venus"))
+# A wheel to install instead of the one built from a clean clone of HEAD (to try uncommitted work in the guest).
+WHEEL_ENV = "GPUPPETTI_VENUS_WHEEL"
+# Debian packages the guest needs beyond the kit's own: podman and runc for the demo's containers (the kit's set
+# already has python3, python3-venv, python3-pip, and busybox, which the containers' image is built from; Debian's
+# busybox-static conflicts with it).
+PACKAGES = ("podman", "runc")
+# In the chroot: one venv per wheel (by digest), and the applications' venv.
+VENVS = Path("/opt/gpuppetti-venus")
+APPS_VENV = Path("/opt/gpuppetti-venus-apps")
+# Lines of setup's and pip's output that mean the network, not the kit, is at fault.
+UNREACHABLE = re.compile(r"Temporary failure resolving|Could not resolve|Failed to fetch|Failed getting release "
+                         r"file|Network is unreachable|Connection refused|Connection timed out|No route to host|"
+                         r"Name or service not known|Max retries exceeded|NewConnectionError|No matching distribution")
+# What the guest kernel says when the emulated machine stops moving: a task blocked in a driver, a CPU whose timer
+# stopped firing.
+STALL = re.compile(r"INFO: task \S+ blocked for more than \d+ seconds|rcu: INFO: rcu_preempt detected stalls")
+_SUMMARY = re.compile(r"\[venusnode\] exit (\d+) after ([0-9.]+)s wall \(guest userspace at ([0-9.]+)s, "
+                      r"command ([0-9.]+)s\)")
+
+
+class CannotRun(Exception):
+    """The tier cannot run here; the message is the one-line reason its tests skip with."""
+
+
+def readme_virtio_config() -> str:
+    """The README's config for Apple's GPU in a VM (the yaml block with ``backend: drm`` and ``virtio:``)."""
+    text = (REPO / "README.md").read_text()
+    [block] = [body for language, body in fenced_blocks(text)
+               if language == "yaml" and "backend: drm" in body and "\nvirtio:" in body]
+    return block
+
+
+def why_not() -> str | None:
+    """Why the venus VM cannot run here, in one line; None when it can."""
+    if os.geteuid() != 0:
+        return "the venus tier needs root (the kit's chroot and VM run as root)"
+    if not (KIT / "run.sh").is_file():
+        return f"no venusnode kit at {KIT} (set VENUSNODE_KIT to its directory)"
+    for tool in ("unshare", "setpriv"):
+        if shutil.which(tool) is None:
+            return f"{tool} is missing (Debian: util-linux)"
+    return None
+
+
+@dataclass
+class Timings:
+    """Where the tier's time went, for the summary at the end of the run."""
+
+    entries: list[tuple[str, float]] = field(default_factory=list)
+
+    def add(self, what: str, seconds: float) -> None:
+        self.entries.append((what, seconds))
+        # Also in the state dir: under pytest-xdist the summary at the end is the controller's, which never loads
+        # this tier's conftest, so the last run's figures are read there.
+        with contextlib.suppress(OSError):
+            (STATE_DIR / "last-run-timings.txt").write_text("\n".join(self.lines()) + "\n")
+
+    def lines(self) -> list[str]:
+        total = sum(seconds for _, seconds in self.entries)
+        return [f"{what}: {seconds:.1f}s" for what, seconds in self.entries] + [f"total: {total:.1f}s"]
+
+
+TIMINGS = Timings()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "VENUSNODE_DIR": str(STATE_DIR), **extra}
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def setup() -> None:
+    """The kit's chroot with the tier's packages: built once (about 1.5 to 3 minutes), then at once. Raises
+    CannotRun where the Debian archive cannot be reached, RuntimeError where setup fails otherwise."""
+    started = time.monotonic()
+    done = subprocess.run([str(KIT / "setup.sh")], env=_env(VENUSNODE_PACKAGES=" ".join(PACKAGES)),
+                          capture_output=True, text=True, timeout=1800, check=False)
+    TIMINGS.add("setup.sh", time.monotonic() - started)
+    if done.returncode == 0:
+        return
+    output = done.stdout + done.stderr
+    for log in ("debootstrap.log", "apt.log"):
+        with contextlib.suppress(OSError):
+            output += (STATE_DIR / log).read_text(errors="replace")[-20000:]
+    if (match := UNREACHABLE.search(output)) is not None:
+        raise CannotRun(f"venusnode setup cannot reach the Debian archive ({match.group(0)})")
+    raise RuntimeError(f"venusnode setup.sh failed ({done.returncode}):\n{_tail(done.stdout + done.stderr, 30)}")
+
+
+def chroot(*command: str, binds: tuple[Path, ...] = (), timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """``command`` run in the kit's chroot (natively, no VM), with ``binds`` at their own paths."""
+    args = [str(KIT / "chroot.sh")]
+    for bind in binds:
+        args += ["--bind", str(bind)]
+    return subprocess.run([*args, "--", *command], env=_env(), capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def _pip_failed(what: str, done: subprocess.CompletedProcess[str]) -> Exception:
+    output = done.stdout + done.stderr
+    if (match := UNREACHABLE.search(output)) is not None:
+        return CannotRun(f"cannot install {what} in the venusnode chroot: PyPI unreachable ({match.group(0)})")
+    return RuntimeError(f"installing {what} in the venusnode chroot failed ({done.returncode}):\n{_tail(output)}")
+
+
+def wheel_digest(wheel: Path) -> str:
+    """What the wheel holds, by its members' names and checksums (a rebuild of the same tree gives the same)."""
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as archive:
+        for info in sorted(archive.infolist(), key=lambda member: member.filename):
+            digest.update(f"{info.filename}\0{info.CRC:08x}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def install_wheel(wheel: Path) -> Path:
+    """A venv in the chroot with ``wheel`` installed by pip, its dependencies from PyPI; one per wheel (by digest),
+    kept for the next run. Returns the venv's path (the same in the chroot and the guest)."""
+    venv = VENVS / wheel_digest(wheel)
+    root = STATE_DIR / "root"
+    if (root / venv.relative_to("/") / ".installed").is_file():
+        return venv
+    started = time.monotonic()
+    # Older wheels' venvs go: the chroot is the guest's whole root.
+    script = (f"rm -rf {VENVS} && python3 -m venv {venv} && {venv}/bin/pip install --quiet "
+              f"--disable-pip-version-check {wheel} && touch {venv}/.installed")
+    done = chroot("sh", "-c", script, binds=(wheel.parent,))
+    TIMINGS.add(f"pip install {wheel.name} in the chroot", time.monotonic() - started)
+    if done.returncode != 0:
+        raise _pip_failed(wheel.name, done)
+    return venv
+
+
+def install_apps(requirements: tuple[str, ...]) -> Path:
+    """The applications' venv in the chroot (wgpu from PyPI), apart from gpuppetti's, as a workload's own."""
+    stamp = STATE_DIR / "root" / APPS_VENV.relative_to("/") / ".requirements"
+    wanted = "\n".join(requirements) + "\n"
+    if stamp.is_file() and stamp.read_text() == wanted:
+        return APPS_VENV
+    started = time.monotonic()
+    script = (f"rm -rf {APPS_VENV} && python3 -m venv {APPS_VENV} && {APPS_VENV}/bin/pip install --quiet "
+              f"--disable-pip-version-check {' '.join(requirements)} && printf '%s\\n' {' '.join(requirements)} > "
+              f"{APPS_VENV}/.requirements")
+    done = chroot("sh", "-c", script)
+    TIMINGS.add(f"pip install {' '.join(requirements)} in the chroot", time.monotonic() - started)
+    if done.returncode != 0:
+        raise _pip_failed(" ".join(requirements), done)
+    return APPS_VENV
+
+
+@dataclass(frozen=True)
+class GuestRun:
+    """One VM: the command's exit status and output, and where the time went; ``stalled`` says why the VM was
+    stopped early (its guest kernel reported a stall), None where it ran to the end."""
+
+    code: int
+    stdout: str
+    stderr: str
+    wall: float
+    boot: float | None  # until the guest's userspace ran
+    command: float | None
+    stalled: str | None = None
+
+    def tail(self) -> str:
+        return _tail(self.stdout + "\n" + self.stderr, 40)
+
+
+def _stall(runs: Path, before: set[str]) -> str | None:
+    """A stall the guest kernel reported on its console, in the run directories made since ``before``."""
+    for run in sorted(runs.glob("run.*")):
+        if run.name in before:
+            continue
+        try:
+            with (run / "serial.log").open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 65536))
+                text = log.read().decode(errors="replace")
+        except OSError:
+            continue
+        if (match := STALL.search(text)) is not None:
+            return match.group(0)
+    return None
+
+
+def run_vm(label: str, command: list[str], share: Path, *, hostmem: str = "1G", mem: str = "2G",
+           guest_lavapipe: bool = False, timeout: int = 900) -> GuestRun:
+    """Boot one VM with ``share`` read-write at its own path, run ``command`` in it, power it off. A VM whose guest
+    kernel reports a stall (a task blocked in the virtio-gpu driver, a vCPU whose timer stopped: the emulated
+    machine, not the project) is stopped at once rather than left to its timeout."""
+    args = [str(KIT / "run.sh"), "--share", str(share), "--hostmem", hostmem, "--mem", mem, "--timeout",
+            str(timeout)]
+    if guest_lavapipe:
+        args.append("--guest-lavapipe")
+    runs = STATE_DIR / "runs"
+    before = {run.name for run in runs.glob("run.*")}
+    started = time.monotonic()
+    stalled: str | None = None
+    with subprocess.Popen([*args, "--", *command], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        output: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda name, stream: output.__setitem__(name, stream.read()),
+                                    args=(name, stream), daemon=True)
+                   for name, stream in (("stdout", process.stdout), ("stderr", process.stderr))]
+        for reader in readers:
+            reader.start()
+        while True:
+            try:
+                process.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() - started > timeout + 120:
+                process.kill()
+                break
+            if (stalled := _stall(runs, before)) is not None:
+                process.terminate()
+                break
+        process.wait()
+        for reader in readers:
+            reader.join(30)
+    if stalled is not None:
+        # run.sh keeps the directory of a run that did not end well; this one's story is told here.
+        for run in runs.glob("run.*"):
+            if run.name not in before:
+                shutil.rmtree(run, ignore_errors=True)
+    wall = time.monotonic() - started
+    TIMINGS.add(f"VM {label}" + (" (stalled, stopped)" if stalled else ""), wall)
+    stderr = output.get("stderr", "")
+    match = _SUMMARY.search(stderr)
+    return GuestRun(process.returncode, output.get("stdout", ""), stderr, wall,
+                    float(match.group(3)) if match else None, float(match.group(4)) if match else None, stalled)
+
+
+@dataclass(frozen=True)
+class Guest:
+    """What the VMs run: the chroot's venv with the project's wheel, and the applications' venv."""
+
+    venv: Path
+    apps: Path
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One VM's batch: its run, and what its guest script wrote to ``out``."""
+
+    run: GuestRun
+    out: Path
+
+    def text(self, name: str) -> str:
+        path = self.out / name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def json(self, name: str) -> Any:
+        text = self.text(name)
+        assert text.strip(), f"the guest wrote no {name}:\n{self.context()}"
+        return json.loads(text)
+
+    def code(self, name: str) -> int | None:
+        text = self.text(f"{name}.rc").strip()
+        return int(text) if text else None
+
+    def context(self) -> str:
+        """What the guest left, for a failure's message."""
+        logs = []
+        for path in sorted(self.out.glob("*")):
+            if path.suffix in (".log", ".err", ".txt", ".rc") and path.stat().st_size:
+                logs.append(f"---- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-25:]))
+        return f"VM exit {self.run.code}\n{self.run.tail()}\n" + "\n".join(logs)
