@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DaemonProcess, PluginProcess, run_cli
+from tests.helpers import DaemonProcess, PluginProcess, run_cli, short_tmpdir
 
 pytestmark = pytest.mark.e2e
 
@@ -137,8 +137,9 @@ async def test_the_plugin_logs_the_warning(tmp_path: Path, start_plugin: Callabl
 
 
 async def test_a_device_plugin_directory_it_had_to_create_is_named_while_waiting(tmp_path: Path) -> None:
-    # Short: with pytest's base directory the socket path must stay within the 107 bytes Unix sockets allow.
-    directory = tmp_path / "elsewhere"
+    # Short: under pytest's base directory (and xdist's worker directory) the socket path could pass the 107 bytes
+    # Unix sockets allow.
+    directory = short_tmpdir() / "elsewhere"
     plugin = DaemonProcess(["plugin", "--device-plugin-dir", str(directory)],
                            "version: v1\nsimulated:\n  gpus:\n    - {model: X, vendor: apple}\n", tmp_path, "made")
     try:

@@ -64,10 +64,10 @@ class UnixEndpoint:
         """Serve on a fresh socket (stopping a server of ours first). Raises SocketError."""
         await self.stop()
         bound = self.path.with_name(f".gp-{secrets.token_hex(4)}.sock")
-        longest = max(len(str(self.path)), len(str(bound)))
-        if longest > MAX_SOCKET_PATH:
-            raise SocketError(f"socket path {self.path} is too long ({longest} bytes with the name it is bound at "
-                              f"first); Unix sockets allow {MAX_SOCKET_PATH}")
+        for path in (self.path, bound):
+            if len(str(path)) > MAX_SOCKET_PATH:
+                which = "socket path" if path == self.path else "the name the socket is first bound at,"
+                raise SocketError(f"{which} {path} is {len(str(path))} bytes; Unix sockets allow {MAX_SOCKET_PATH}")
         try:
             st = self.path.lstat()
         except FileNotFoundError:
