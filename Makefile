@@ -36,12 +36,16 @@ demo: $(STAMP) native
 
 # The tests start the daemons as hundreds of processes: their modules are compiled once here, not in each of them
 # (where PYTHONDONTWRITEBYTECODE is set, nothing else would keep the compiled modules).
-# Two workers (pytest-xdist); tests that share the real node or podman's images run in one of them. The Venus tier
-# runs after, alone: its VMs emulate their CPU and would slow every timing of the other tests.
+# Three runs: most tests in two workers (pytest-xdist); then, one at a time, those that share a machine-wide
+# resource (the real node, podman's images); then the Venus tier, alone: its VMs emulate their CPU and would slow
+# every timing of the other tests.
 TEST_WORKERS ?= 2
+SERIAL_TESTS := tests/cluster tests/apps tests/e2e/test_enforced_slices.py tests/e2e/test_sandbox.py \
+	tests/e2e/test_plugin_cdi.py tests/e2e/test_vulkan_layer.py
 test: lint typecheck native
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/venus
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --ignore=tests/venus $(addprefix --ignore=,$(SERIAL_TESTS))
+	$(BIN)/python -m pytest $(SERIAL_TESTS)
 	$(BIN)/python -m pytest tests/venus
 
 unit: $(STAMP) native

@@ -28,21 +28,6 @@ async def kubelet(plugin_dir: Path) -> AsyncIterator[KubeletEmulator]:
         yield emulator
 
 
-# With pytest-xdist (make test runs two workers), tests that share a machine-wide resource run in one worker, one
-# after another: the real node (one per machine) and podman's images; the Venus VMs, which take the CPU, in another.
-SERIAL_GROUPS = {"tests/cluster/": "node", "tests/apps/": "node", "tests/venus/": "venus",
-                 **{f"tests/e2e/{name}": "node" for name in ("test_enforced_slices.py", "test_sandbox.py",
-                                                             "test_plugin_cdi.py", "test_vulkan_layer.py")}}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.path.as_posix()
-        for prefix, group in SERIAL_GROUPS.items():
-            if f"/{prefix}" in path:
-                item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
