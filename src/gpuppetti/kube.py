@@ -115,9 +115,7 @@ class Kube:
     async def _call(self, what: str, call: Awaitable[T]) -> T:
         try:
             return await call
-        except FAILURES as exc:
-            raise _error(exc, what, self._timeout) from None
-        except ValidationError as exc:
+        except FAILURES as exc:  # a ValidationError is a ValueError: an answer that is not what it says
             raise _error(exc, what, self._timeout) from None
 
     async def _typed(self, what: str, call: Awaitable[Any], kind: type[T]) -> T:
