@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.realnode import IMAGE, IMAGE_VENV, KIT, REPO, STATE_DIR, RealNode, why_not
+from tests.cluster.realnode import IMAGE, IMAGE_VENV, KIT, REPO, STATE_DIR, RealNode, machine_lock, why_not
 from tests.packaging import venv_with
 
 
@@ -33,11 +33,12 @@ def realnode() -> Iterator[RealNode]:
     if reason is not None:
         pytest.skip(f"cluster tier skipped: {reason}")
     node = RealNode(STATE_DIR)
-    try:
-        node.up()
-        yield node
-    finally:
-        node.down()
+    with machine_lock():
+        try:
+            node.up()
+            yield node
+        finally:
+            node.down()
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ with CDI, all on loopback). Everything here talks to it the way a user would: ku
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -17,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +40,20 @@ CDI_DIR = Path("/var/run/cdi")
 KUBELET_DIR = Path("/var/lib/kubelet")
 T = TypeVar("T")
 START_MARK = "---- gpuppetti"
+# Only one real node can run on a machine: whoever brings one up (this suite, the scale bench) holds this lock
+# until it is down, and another waits for it rather than failing on the node's ports.
+LOCK = Path(tempfile.gettempdir()) / "gpuppetti-realnode.lock"
+
+
+@contextlib.contextmanager
+def machine_lock() -> Iterator[None]:
+    with LOCK.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another real node on this machine to go down (lock {LOCK})", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def why_not() -> str | None:
