@@ -194,6 +194,10 @@ def build_parser() -> Parser:
     option(doctor, "--runtime-endpoint", env="CONTAINER_RUNTIME_ENDPOINT", convert=values.endpoint, metavar="SOCKET",
            shown_default="the first of containerd's, CRI-O's, cri-dockerd's and k3s's sockets found, under "
            "--host-root too", help="the container runtime's CRI socket, as crictl takes it")
+    option(doctor, "--containerd-address", env="CONTAINERD_ADDRESS", convert=values.endpoint, metavar="SOCKET",
+           shown_default="none: the usual sockets only",
+           help="containerd's socket, as ctr takes it; without --runtime-endpoint it is looked at first (under "
+           "--host-root too), before the usual sockets")
     option(doctor, "--mode", env="GPUPPETTI_MODE", convert=values.choice("plugin", "dra", "both"), default="both",
            metavar="MODE", help="what this node runs: plugin, dra or both; the other's kubelet directory is not "
            "checked (the DaemonSets set it in their pods)")

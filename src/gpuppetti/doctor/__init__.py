@@ -26,7 +26,8 @@ async def checkup(settings: Settings) -> list[Result]:
                                     name="doctor-dp-dir")
         registry = group.create_task(checks.registry_dir(settings.registry_dir, settings.mode),
                                      name="doctor-registry")
-        runtime = group.create_task(checks.runtime_checks(settings.runtime_endpoint, host, settings.cdi_dir),
+        runtime = group.create_task(checks.runtime_checks(settings.runtime_endpoint, host, settings.cdi_dir,
+                                                           settings.containerd_address),
                                     name="doctor-runtime")
         daemon = group.create_task(checks.daemon_check(settings.daemon_url), name="doctor-daemon")
     return [

@@ -43,6 +43,8 @@ class Settings:
     registry_dir: Path
     cdi_dir: Path
     runtime_endpoint: Path | None = None
+    # containerd's socket as ctr takes it (CONTAINERD_ADDRESS): looked at first when no endpoint is given.
+    containerd_address: Path | None = None
     daemon_url: str | None = None
     vulkan_layer_dir: Path | None = None
     # plugin, dra or both: the kubelet directory of a mode the node does not run is not checked.
@@ -70,7 +72,7 @@ def config_and_gpus(sources: Sources) -> tuple[list[Result], Discovered | None]:
         fix = ("in a pod, mount the host's / at /host and pass --host-root /host" if str(root) == "/" else
                f"check that {root} is the host's root, with its /sys and /dev")
         results.append(fail("GPUs", nothing_found(found).replace(":\n  ", ": ", 1).replace("\n  ", "; "),
-                            f"{fix}; for NVIDIA, install the nvml extra (pip install 'gpuppetti[nvml]') and the "
+                            f"{fix}; for NVIDIA, install nvidia-ml-py (the nvml extra; the image has it) and the "
                             "driver; a virtio-gpu needs the virtio_gpu kernel module"))
     for remark in plan_remarks(found.gpus, found.config.sharing.time_slicing):
         if remark.warning:
@@ -141,15 +143,17 @@ async def registry_dir(directory: Path, mode: str) -> Result:
     return ok(check, f"{directory} is writable{registered}")
 
 
-async def runtime_checks(endpoint: Path | None, host_root: Path, cdi_dir: Path) -> list[Result]:
+async def runtime_checks(endpoint: Path | None, host_root: Path, cdi_dir: Path,
+                         containerd_address: Path | None = None) -> list[Result]:
     check = "container runtime"
-    candidates = [endpoint] if endpoint is not None else _cri_candidates(host_root)
+    candidates = [endpoint] if endpoint is not None else _cri_candidates(host_root, containerd_address)
     found = next((path for path in candidates if _is_socket(path)), None)
     if found is None:
         looked = ", ".join(str(path) for path in candidates)
         return [fail(check, f"no CRI socket at {looked}",
-                     "pass the runtime's socket with --runtime-endpoint (env CONTAINER_RUNTIME_ENDPOINT); in a pod, "
-                     "mount the host's / at /host and pass --host-root /host")]
+                     "pass the runtime's socket with --runtime-endpoint (env CONTAINER_RUNTIME_ENDPOINT), or "
+                     "containerd's with --containerd-address (env CONTAINERD_ADDRESS); in a pod, mount the host's / "
+                     "at /host and pass --host-root /host")]
     if (problem := await _socket_problem(found)) is not None:
         return [fail(check, f"{found}: {problem}", "is the container runtime running? (as root for its socket)")]
     try:
@@ -164,10 +168,13 @@ async def runtime_checks(endpoint: Path | None, host_root: Path, cdi_dir: Path) 
     return results
 
 
-def _cri_candidates(host_root: Path) -> list[Path]:
+def _cri_candidates(host_root: Path, containerd_address: Path | None = None) -> list[Path]:
+    """Where to look for a CRI socket: containerd's own address where one is given, then the usual sockets; each
+    under the host root first (in a pod), then as it is."""
+    sockets = CRI_SOCKETS if containerd_address is None else (containerd_address, *CRI_SOCKETS)
     paths: list[Path] = []
-    for candidate in CRI_SOCKETS:
-        if str(host_root) != "/":
+    for candidate in dict.fromkeys(sockets):
+        if str(host_root) != "/" and candidate.is_absolute():
             paths.append(host_root / candidate.relative_to("/"))
         paths.append(candidate)
     return paths
