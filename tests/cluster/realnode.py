@@ -13,9 +13,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -182,14 +184,38 @@ class RealNode:
         return self.dir / "admin.kubeconfig"
 
     def up(self) -> None:
-        result = subprocess.run(["bash", str(self.kit / "up.sh")], env={**self.env, "FRESH": "1"},
-                                capture_output=True, text=True, timeout=600, check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"realnode up.sh failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        print(f"cluster tier: bringing up the real node in {self.dir} (etcd, API server, scheduler, controller "
+              "manager, containerd, kubelet; about a minute, more if Debian packages are installed first)",
+              file=sys.stderr)
+        code, output = self._kit("up.sh", {"FRESH": "1"}, 600)
+        if code != 0:
+            raise RuntimeError(f"realnode up.sh failed ({code}):\n{output}")
 
     def down(self) -> None:
-        subprocess.run(["bash", str(self.kit / "down.sh")], env={**self.env, "PURGE": "1"},
-                       capture_output=True, text=True, timeout=300, check=False)
+        print("cluster tier: taking the real node down (its processes, pods' containers and mounts; its data purged; "
+              "about a minute)", file=sys.stderr)
+        self._kit("down.sh", {"PURGE": "1"}, 300)
+
+    def _kit(self, script: str, env: dict[str, str], timeout: float) -> tuple[int, str]:
+        """Run one of the kit's scripts, saying each line it prints as it comes (on stderr: ``pytest -s`` and the
+        logs show what the node waits for); its exit code and output. Killed after ``timeout``."""
+        start = time.monotonic()
+        process = subprocess.Popen(["bash", str(self.kit / script)], env={**self.env, **env}, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        # The script and whatever it started that still runs (an apt-get holding the pipe) go together.
+        timer = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+        timer.start()
+        lines = []
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:
+                lines.append(line)
+                print(f"cluster tier: {script}: {line.rstrip()}", file=sys.stderr)
+            code = process.wait()
+        finally:
+            timer.cancel()
+        print(f"cluster tier: {script} ended ({code}) after {time.monotonic() - start:.0f}s", file=sys.stderr)
+        return code, "".join(lines)
 
     def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["bash", str(self.kit / "ctl.sh"), *args], env=self.env, capture_output=True,
