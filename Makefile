@@ -16,6 +16,7 @@ NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native
 .PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native dist gpu-check venus
 
 $(STAMP): pyproject.toml
+	@echo "installing gpuppetti and its dependencies into $(VENV) (first run, or pyproject.toml changed: about a minute)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -82,12 +83,12 @@ clean:
 		native/vulkan-layer/build build dist
 	find src tests tools bench -name __pycache__ -type d -prune -exec rm -rf {} +
 
-# On a host with a real GPU: discover, doctor, and the layer holding gpuppetti-vkinfo and wgpu to a slice of it.
 # The Venus tier: gpuppetti from its wheel in a VM whose GPU is a virtio-gpu driven by Mesa's Venus, as in a krunkit
 # VM on an Apple-silicon Mac (../shared/venusnode; root; about 3.5 minutes, plus 2 for the VM's first setup).
 venus: $(STAMP) native
 	$(BIN)/python -m pytest tests/venus
 
+# On a host with a real GPU: discover, doctor, and the layer holding gpuppetti-vkinfo and wgpu to a slice of it.
 gpu-check: $(STAMP) native
 	$(BIN)/python -m pip install --quiet -e '.[dev,nvml]'
 	PYTHONPATH=. $(BIN)/python tools/gpu_check.py
