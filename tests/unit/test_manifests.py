@@ -160,6 +160,25 @@ def test_examples_validate(path: Path) -> None:
     _validate([o for o in yaml.safe_load_all(path.read_text()) if o])
 
 
+def test_each_dra_claim_template_has_an_example_pod() -> None:
+    def objects(pattern: str, kind: str) -> list[dict[str, Any]]:
+        found = [o for path in sorted((DEPLOY / "examples" / "dra").glob(pattern))
+                 for o in yaml.safe_load_all(path.read_text()) if o]
+        assert found and all(o["kind"] == kind for o in found), pattern
+        return found
+
+    templates = {t["metadata"]["name"] for t in objects("*.yaml", "ResourceClaimTemplate")}
+    pods = objects("pods/*.yaml", "Pod")
+    used = set()
+    for pod in pods:
+        spec = pod["spec"]
+        claims = {c["name"]: c["resourceClaimTemplateName"] for c in spec["resourceClaims"]}
+        used.update(claims.values())
+        named = {c["name"] for container in spec["containers"] for c in container["resources"]["claims"]}
+        assert named == set(claims), f"{pod['metadata']['name']}: its containers name every claim it makes"
+    assert used == templates, "one example pod per claim template, and no pod naming a template that is not there"
+
+
 def test_validation_really_rejects_bad_objects() -> None:
     device_class = manifests.dra_driver(manifests.Options())[3]
     assert device_class["kind"] == "DeviceClass"
