@@ -169,7 +169,7 @@ def test_each_dra_claim_template_has_an_example_pod() -> None:
 
     templates = {t["metadata"]["name"] for t in objects("*.yaml", "ResourceClaimTemplate")}
     pods = objects("pods/*.yaml", "Pod")
-    used = set()
+    used: set[str] = set()
     for pod in pods:
         spec = pod["spec"]
         claims = {c["name"]: c["resourceClaimTemplateName"] for c in spec["resourceClaims"]}
