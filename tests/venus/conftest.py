@@ -25,8 +25,8 @@ from tests.venus.venusnode import TIMINGS, Batch, CannotRun, Guest
 GUEST = Path(__file__).resolve().parent / "guest"
 WGPU_APP = venusnode.REPO / "tests" / "apps" / "wgpu_app.py"
 MIB = 2**20
-# The node's config: the README's virtio config with memory a CPU's lavapipe can hold (four slices of 512 MiB),
-# and each slice also held to its share of the GPU's time.
+# The node's config: the Apple-silicon guide's virtio config with memory a CPU's lavapipe can hold (four slices of
+# 512 MiB), and each slice also held to its share of the GPU's time.
 NODE_CONFIG = """\
 version: v1
 backend: drm
@@ -82,7 +82,7 @@ def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, sc
         shutil.copy2(GUEST / name, work / name)
     shutil.copy2(WGPU_APP, work / "wgpu_app.py")
     (work / "node.yaml").write_text(NODE_CONFIG)
-    (work / "readme.yaml").write_text(venusnode.readme_virtio_config())
+    (work / "guide.yaml").write_text(venusnode.guide_virtio_config())
     command = ["sh", str(work / script), str(work), str(guest.venv), str(guest.apps)]
     run = venusnode.run_vm(label, command, work, **options)
     if run.stalled is not None:

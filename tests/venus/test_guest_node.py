@@ -1,5 +1,5 @@
 """In a Venus VM (guest/node.sh, with the guest's own lavapipe shown beside Venus): the project installed from its
-wheel, used through its commands as on a krunkit node. ``gpuppetti discover`` with the README's virtio config,
+wheel, used through its commands as on a krunkit node. ``gpuppetti discover`` with the guide's virtio config,
 ``gpuppetti plugin`` on the virtio-gpu (drm backend) registered with the kubelet emulator, each Allocate answer
 applied as a runtime applies it (guest/driver.py), workloads held to their slices on Venus, and ``gpuppetti
 doctor`` against that plugin.
@@ -33,7 +33,7 @@ def reports(node: Batch, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in step(node, name)["stdout"].splitlines() if line.startswith("{")]
 
 
-def test_discover_finds_the_gpu_with_the_readmes_virtio_config(node: Batch) -> None:
+def test_discover_finds_the_gpu_with_the_guides_virtio_config(node: Batch) -> None:
     assert node.code("discover") == 0, node.text("discover.err")
     [gpu] = node.json("discover.json")
     assert (gpu["id"], gpu["vendor"], gpu["model"], gpu["backend"]) == (GPU, "apple", "Apple M3 Max", "drm")

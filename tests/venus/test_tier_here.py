@@ -1,4 +1,4 @@
-"""The venus tier's own machinery, on this host (no VM): the README config it runs, the wheel's identity, and the
+"""The venus tier's own machinery, on this host (no VM): the guide's config it runs, the wheel's identity, and the
 watch for a guest that stopped moving."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ RCU_STALL = ("[  102.707391] rcu: INFO: rcu_preempt detected stalls on CPUs/task
 HUNG_TASK = "[  242.599074] INFO: task gpuppetti-vkinf:251 blocked for more than 120 seconds.\n"
 
 
-def test_the_readmes_virtio_config_is_found_and_valid() -> None:
-    config = parse_config(venusnode.readme_virtio_config(), "README.md")
+def test_the_guides_virtio_config_is_found_and_valid() -> None:
+    config = parse_config(venusnode.guide_virtio_config(), "docs/apple-silicon.md")
     assert config.backend == "drm"
     assert (config.virtio.vendor, config.virtio.model, config.virtio.cores) == ("apple", "Apple M3 Max", 40)
 

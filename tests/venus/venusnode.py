@@ -55,9 +55,10 @@ class CannotRun(Exception):
     """The tier cannot run here; the message is the one-line reason its tests skip with."""
 
 
-def readme_virtio_config() -> str:
-    """The README's config for Apple's GPU in a VM (the yaml block with ``backend: drm`` and ``virtio:``)."""
-    text = (REPO / "README.md").read_text()
+def guide_virtio_config() -> str:
+    """The Apple-silicon guide's config for Apple's GPU in a VM (the yaml block with ``backend: drm`` and
+    ``virtio:`` in docs/apple-silicon.md)."""
+    text = (REPO / "docs" / "apple-silicon.md").read_text()
     [block] = [body for language, body in fenced_blocks(text)
                if language == "yaml" and "backend: drm" in body and "\nvirtio:" in body]
     return block

@@ -2,7 +2,7 @@
 # In the venus guest: a node's day, through gpuppetti's commands. Written to $W/out, judged on the host.
 #   node.sh WORK VENV APPS_VENV
 # The device plugin serves the virtio-gpu (drm backend) to the kubelet emulator of driver.py, which admits pods and
-# runs workloads in their containers; meanwhile `gpuppetti discover` (with the README's virtio config) and, once
+# runs workloads in their containers; meanwhile `gpuppetti discover` (with the Apple-silicon guide's virtio config) and, once
 # the plugin has registered, `gpuppetti doctor` against that plugin and its kubelet directory.
 set -u
 W=$1 VENV=$2 APPS=$3
@@ -18,7 +18,7 @@ gpuppetti plugin --config "$W/node.yaml" --device-plugin-dir "$W/dp" --vulkan-la
 plugin=$!
 "$VENV/bin/python" "$W/driver.py" "$W" "$OUT" "$APPS/bin/python" > "$OUT/driver.log" 2>&1 &
 driver=$!
-gpuppetti discover --config "$W/readme.yaml" --json > "$OUT/discover.json" 2> "$OUT/discover.err"
+gpuppetti discover --config "$W/guide.yaml" --json > "$OUT/discover.json" 2> "$OUT/discover.err"
 echo $? > "$OUT/discover.rc"; step discover
 waited=0
 while [ ! -e "$OUT/registered" ] && [ $waited -lt 300 ] && kill -0 $driver 2>/dev/null; do sleep 1; waited=$((waited + 1)); done
