@@ -8,8 +8,10 @@ plugin registry and its plugin directory. They run only on nodes labelled gpuppe
 
 from __future__ import annotations
 
+import copy
 import textwrap
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
@@ -42,6 +44,9 @@ TOLERATIONS: list[dict[str, str]] = [
     {"key": "CriticalAddonsOnly", "operator": "Exists"},
     *({"key": name, "operator": "Exists", "effect": "NoSchedule"} for name in ALL_RESOURCES),
 ]
+# What each daemon's container asks for, and is held to.
+RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "10m", "memory": "64Mi"},
+                                        "limits": {"cpu": "200m", "memory": "192Mi"}}
 
 PRESETS: dict[str, str] = {
     # minikube --driver krunkit on an Apple silicon Mac: the Mac's GPU is the VM's virtio-gpu (Vulkan via Venus).
@@ -70,14 +75,25 @@ def preset_config(name: str, replicas: int | None) -> str:
 
 @dataclass(frozen=True)
 class Options:
+    """What the objects are rendered for. The command's flags set some; the Helm chart's values set them all."""
+
     mode: Mode = "plugin"
     namespace: str = DEFAULT_NAMESPACE
     image: str = DEFAULT_IMAGE
+    # None leaves it to Kubernetes: IfNotPresent, or Always for an untagged image or one tagged latest.
+    image_pull_policy: str | None = None
     config: str | None = None
     replicas: int | None = None
     label_node: bool = False
-    # Off for a single-node sandbox (the minikube preset): the one node is the GPU node.
+    # The mode label in the node selector. Off for a single-node sandbox (the minikube preset): the one node is the
+    # GPU node.
     node_selector: bool = True
+    # Labels a node must have besides the mode label (which one of these may override).
+    extra_node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: Sequence[Mapping[str, Any]] = field(default_factory=lambda: copy.deepcopy(TOLERATIONS))
+    resources: Mapping[str, Any] = field(default_factory=lambda: copy.deepcopy(RESOURCES))
+    # Where the Vulkan layer is installed on the node; empty turns enforcement off (and mounts nothing).
+    vulkan_layer_dir: str = str(DEFAULT_VULKAN_LAYER_DIR)
 
 
 def default_config(replicas: int | None) -> str:
@@ -122,16 +138,17 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
     selector = {"app.kubernetes.io/name": "gpuppetti", "app.kubernetes.io/component": component}
     env = _env(options)
     probe_port = {"port": HTTP_PORT}
-    container: dict[str, Any] = {
-        "name": component,
-        "image": options.image,
+    container: dict[str, Any] = {"name": component, "image": options.image}
+    if options.image_pull_policy:
+        container["imagePullPolicy"] = options.image_pull_policy
+    container |= {
         "args": args,
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT}],
         "readinessProbe": {"httpGet": {"path": "/healthz", **probe_port}, "periodSeconds": 10},
         "livenessProbe": {"httpGet": {"path": "/livez", **probe_port}, "initialDelaySeconds": 10,
                           "periodSeconds": 20},
-        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}, "limits": {"cpu": "200m", "memory": "192Mi"}},
+        "resources": copy.deepcopy(dict(options.resources)),
         "securityContext": {
             "runAsUser": 0,
             "allowPrivilegeEscalation": False,
@@ -142,14 +159,16 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
     }
     spec: dict[str, Any] = {
         "priorityClassName": "system-node-critical",
-        "tolerations": TOLERATIONS,
+        "tolerations": copy.deepcopy(list(options.tolerations)),
         "containers": [container],
         "volumes": [{"name": "config", "configMap": {"name": config_map_name(options.mode)}}, *volumes],
     }
-    if options.node_selector:
-        # Only where an operator said GPUs are, and one mode per node: the device plugin and the DRA driver never
-        # serve the same resource name on one node.
-        spec["nodeSelector"] = {MODE_LABEL: options.mode}
+    # Only where an operator said GPUs are, and one mode per node: the device plugin and the DRA driver never serve
+    # the same resource name on one node.
+    node_selector: dict[str, str] = {MODE_LABEL: options.mode} if options.node_selector else {}
+    node_selector |= options.extra_node_selector
+    if node_selector:
+        spec["nodeSelector"] = node_selector
     if service_account:
         spec["serviceAccountName"] = service_account
     return {
@@ -185,6 +204,8 @@ def _env(options: Options) -> list[dict[str, Any]]:
         "GPUPPETTI_HTTP_ADDRESS": f":{HTTP_PORT}",
         # Which of the node's checks `gpuppetti doctor` makes in this pod.
         "GPUPPETTI_MODE": options.mode,
+        # Where the layer goes ('' turns enforcement off), for the daemon and `gpuppetti doctor` alike.
+        "GPUPPETTI_VULKAN_LAYER_DIR": options.vulkan_layer_dir,
     }
     if options.mode == "plugin" and options.label_node:
         settings["GPUPPETTI_LABEL_NODE"] = "true"
@@ -192,11 +213,13 @@ def _env(options: Options) -> list[dict[str, Any]]:
             *({"name": key, "value": value} for key, value in settings.items())]
 
 
-def _layer_mount() -> tuple[dict[str, Any], dict[str, Any]]:
+def _layer_mount(options: Options) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     # Where the Vulkan layer is installed and each allocation's accounting kept: at the same path as on the host,
-    # since the mounts the daemon hands to containers name host paths.
-    path = str(DEFAULT_VULKAN_LAYER_DIR)
-    return {"name": "vulkan-layer", "mountPath": path}, _host_path("vulkan-layer", path, "DirectoryOrCreate")
+    # since the mounts the daemon hands to containers name host paths. Nothing where enforcement is off.
+    path = options.vulkan_layer_dir
+    if not path:
+        return []
+    return [({"name": "vulkan-layer", "mountPath": path}, _host_path("vulkan-layer", path, "DirectoryOrCreate"))]
 
 
 def _cdi_mount() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -208,7 +231,7 @@ def device_plugin(options: Options) -> list[dict[str, Any]]:
     mounts.insert(0, {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"})
     volumes.insert(0, _host_path("device-plugins", "/var/lib/kubelet/device-plugins"))
     # Where the CDI spec goes with a CDI deviceListStrategy; the runtime reads it on the host.
-    for mount, volume in (_cdi_mount(), _layer_mount()):
+    for mount, volume in (_cdi_mount(), *_layer_mount(options)):
         mounts.append(mount)
         volumes.append(volume)
     # The host agent's token, where a Mac runs one; optional, so that nodes without it start the same.
@@ -270,9 +293,9 @@ def dra_driver(options: Options) -> list[dict[str, Any]]:
     cdi_mount, cdi_volume = _cdi_mount()
     mounts.insert(0, cdi_mount)
     volumes.insert(0, cdi_volume)
-    layer_mount, layer_volume = _layer_mount()
-    mounts.append(layer_mount)
-    volumes.append(layer_volume)
+    for layer_mount, layer_volume in _layer_mount(options):
+        mounts.append(layer_mount)
+        volumes.append(layer_volume)
     account = "gpuppetti-dra"
     rbac: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(account, namespace, "dra")},
