@@ -64,6 +64,7 @@ typecheck: $(STAMP)
 
 deploy: $(STAMP)
 	$(BIN)/python tools/gen_deploy.py
+	$(BIN)/python tools/gen_chart.py
 	$(BIN)/python tools/gen_dashboard.py
 
 image:
