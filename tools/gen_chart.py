@@ -403,7 +403,8 @@ def values_schema() -> dict[str, Any]:
     }
     quantities = {"type": "object", "additionalProperties": {"type": ["string", "integer", "number"]}}
     return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        # Draft 7, which older Helm 3 releases read too (their JSON Schema library knows no newer draft).
+        "$schema": "http://json-schema.org/draft-07/schema#",
         "title": "gpuppetti",
         "description": NOTE,
         "type": "object",
