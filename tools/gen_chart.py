@@ -178,9 +178,12 @@ class Template:
         return node
 
     def _under(self, conditions: list[str], data: Any) -> Block:
-        body = self.dump(data).splitlines()
-        return Block((f"{{{{- if and {' '.join(conditions)} }}}}" if len(conditions) > 1 else
-                      f"{{{{- if {conditions[0]} }}}}", *body, "{{- end }}"))
+        return Block((_if(conditions), *self.dump(data).splitlines(), "{{- end }}"))
+
+
+def _if(conditions: list[str]) -> str:
+    test = f"and {' '.join(conditions)}" if len(conditions) > 1 else conditions[0]
+    return f"{{{{- if {test} }}}}"
 
 
 def _same_item(others: list[Any], items: list[Any], index: int) -> Any:
@@ -219,7 +222,7 @@ def objects_template(chart_mode: str) -> str:
         document = template.dump(built).rstrip("\n").splitlines()
         conditions = [c for c, off in offs if key not in off]
         if conditions:
-            lines += [f"{{{{- if {' '.join(conditions)} }}}}", "---", *document, "{{- end }}"]
+            lines += [_if(conditions), "---", *document, "{{- end }}"]
         else:
             lines += ["---", *document]
     lines.append("{{- end }}")
@@ -289,6 +292,7 @@ def _yaml(data: Any, indent: int = 0) -> str:
 def values_yaml() -> str:
     repository, tag = default_image()
     default = manifests.Options()
+    [mode] = [chart_mode for chart_mode, mode in MODES.items() if mode == default.mode]
     modes = " or ".join(MODES)
     return f"""\
 # {NOTE}
@@ -296,7 +300,7 @@ def values_yaml() -> str:
 
 # {modes}: the device plugin or the DRA driver (`gpuppetti manifests --mode plugin|dra`). Each runs
 # only on the nodes labelled {manifests.MODE_LABEL}=plugin or =dra; NOTES.txt prints the command.
-mode: deviceplugin
+mode: {mode}
 
 # The gpuppetti config (version: v1 ...), put in the ConfigMap as config.yaml (`--config`). Empty: `version: v1`,
 # with replicas' time-slicing. Its keys are checked here; what they hold, by the daemon as it starts.
