@@ -196,11 +196,16 @@ def _default_partitions() -> list[PartitionCount]:
 
 class DraSection(Strict):
     driver_name: str = Field(default="gpu.gpuppetti.dev", max_length=63, pattern=DNS_SUBDOMAIN.pattern)
-    # whole: one device per GPU. partitions: per-GPU counters, and partition devices that consume them.
-    # consumable: one device per GPU that many claims share, each taking part of its capacity.
+    # whole: one device per GPU. partitions: fixed-size parts of a GPU. consumable: one device per GPU that many
+    # claims share, each taking part of its capacity.
     slicing: Literal["whole", "partitions", "consumable"] = "whole"
     # Each count must divide 1000, so that every partition's share is a whole number of milli-units.
     partitions: list[PartitionCount] = Field(default_factory=_default_partitions)
+    # How partitions are published. capacity: one device per GPU whose memory claims take in the partitions'
+    # sizes (its validValues): as cheap for the scheduler as whole GPUs. counters: a device per partition, each
+    # consuming its GPU's shared counters: the API's partitionable devices, which cost the scheduler 20 to 800
+    # times more per pod (docs/scale.md) and suit only small clusters.
+    partition_layout: Literal["capacity", "counters"] = "capacity"
     # consumable: a claim that asks for no capacity gets 1/shares of each.
     shares: int = Field(default=4, ge=1, le=1000)
 

@@ -14,7 +14,7 @@ from gpuppetti.inventory import Inventory
 from gpuppetti.model import Gpu
 from gpuppetti.monitor import HealthMonitor
 from gpuppetti.runtime import StartupError
-from gpuppetti.sharing.replicas import plan_remarks
+from gpuppetti.sharing.remarks import config_remarks
 
 __all__ = ["Discovered", "Sources", "StartupError", "load_and_discover", "reload", "start_inventory"]
 
@@ -91,7 +91,7 @@ async def start_inventory(sources: Sources) -> tuple[Inventory, HealthMonitor, D
 
 
 def warn_about_config(config: Config, gpus: list[Gpu]) -> None:
-    for remark in plan_remarks(gpus, config.sharing.time_slicing):
+    for remark in config_remarks(gpus, config):
         log.log(logging.WARNING if remark.warning else logging.INFO, "%s: %s: %s", config.source, remark.path,
                 remark.why)
 

@@ -37,7 +37,7 @@ from gpuppetti.quantity import format_bytes
 from gpuppetti.report import gpu_records, print_gpus
 from gpuppetti.runtime import Runtime
 from gpuppetti.sandbox import BUSYBOX, PODMAN_FLAGS, VULKAN_LOADER, PodmanSandbox, SandboxError, Seen
-from gpuppetti.sharing.replicas import plan_remarks
+from gpuppetti.sharing.remarks import config_remarks
 from gpuppetti.tables import Column, Prose, print_table, print_trimmed
 from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, Enforcement, install_layer
 
@@ -125,7 +125,7 @@ async def run_demo(
     cannot run."""
     config = demo_config(config_path, sandbox=runtime is not None)
     gpus = await asyncio.to_thread(demo_gpus, config, backend, host_root)
-    for remark in plan_remarks(gpus, config.sharing.time_slicing):
+    for remark in config_remarks(gpus, config):
         label = "[yellow]warning:[/yellow]" if remark.warning else "note:"
         console.print(f"{label} {config.source}: {remark.path}: {remark.why}", highlight=False)
     sandbox: PodmanSandbox | None = None

@@ -115,9 +115,11 @@ class ValidRange(TypedDict):
     step: str
 
 
-class RequestPolicy(TypedDict):
-    default: str
+class RequestPolicy(TypedDict, total=False):
+    default: Required[str]
+    # One of the two.
     validRange: ValidRange
+    validValues: list[str]
 
 
 class DeviceCapacity(TypedDict, total=False):

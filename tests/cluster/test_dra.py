@@ -88,14 +88,16 @@ def test_slices_are_accepted_in_every_mode_with_a_taint(node: RealNode, workdir:
     gpus = ("    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi}\n"
             "    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, health: Unhealthy}\n")
     expected = {
-        "whole": {"gpu-apple-0", "gpu-apple-1"},
-        "partitions": {"gpu-apple-0", "gpu-apple-1", *(f"gpu-apple-{g}-p4-{p}" for g in (0, 1) for p in range(4))},
-        "consumable": {"gpu-apple-0", "gpu-apple-1"},
+        ("whole", ""): {"gpu-apple-0", "gpu-apple-1"},
+        ("partitions", ""): {"gpu-apple-0", "gpu-apple-1"},
+        ("partitions", "  partitionLayout: counters\n"): {
+            "gpu-apple-0", "gpu-apple-1", *(f"gpu-apple-{g}-p4-{p}" for g in (0, 1) for p in range(4))},
+        ("consumable", ""): {"gpu-apple-0", "gpu-apple-1"},
     }
     daemon = start(node, workdir, config("whole", gpus))
-    for mode, names in expected.items():
+    for (mode, extra), names in expected.items():
         if mode != "whole":
-            reload(daemon, workdir, config(mode, gpus))
+            reload(daemon, workdir, config(mode, gpus, extra))
         def listed(names: set[str] = names) -> dict[str, dict[str, Any]] | None:
             found = devices(node)
             return found if set(found) == names else None
@@ -104,8 +106,9 @@ def test_slices_are_accepted_in_every_mode_with_a_taint(node: RealNode, workdir:
         for name, device in published.items():
             taints = [t["key"] for t in device.get("taints", [])]
             assert taints == ([f"{DRIVER}/unhealthy"] if name.startswith("gpu-apple-1") else []), (name, taints)
-        if mode == "consumable":
-            assert published["gpu-apple-0"]["allowMultipleAllocations"] is True
+        # Consumable capacity, and partitions in their default (capacity) layout: one device many claims share.
+        shared = mode == "consumable" or (mode == "partitions" and not extra)
+        assert published["gpu-apple-0"].get("allowMultipleAllocations", False) is shared, (mode, extra)
     assert "failed" not in daemon.log().lower().replace("prepare failed", ""), daemon.log()[-3000:]
 
 
@@ -128,14 +131,31 @@ def test_four_quarter_partitions_of_one_gpu_and_a_fifth_waits(node: RealNode, wo
     wait_for("four quarters running", lambda: sum(node.phase(f"quarter-{n}") == "Running" for n in range(5)) == 4, 90)
     waiting = next(f"quarter-{n}" for n in range(5) if node.phase(f"quarter-{n}") != "Running")
     wait_for(f"{waiting} unschedulable", lambda: pending(node, waiting))
-    parts = set()
+    shares = set()
     for n in range(5):
         if f"quarter-{n}" == waiting:
             continue
         env = node.env_of(f"quarter-{n}")
         assert env["GPUPPETTI_SHARING"] == "partition"
         assert (env["GPUPPETTI_CORES"], env["GPUPPETTI_MEMORY"]) == ("10", str(12 * 2**30))
-        parts.add(env["GPUPPETTI_SLICES"])
+        assert env["GPUPPETTI_SLICES"] == "gpu-apple-0"
+        shares.add(env["GPUPPETTI_SHARE_ID"])
+    assert len(shares) == 4
+
+
+def test_counters_layout_four_quarter_partitions_and_a_fifth_waits(
+        node: RealNode, workdir: Path, classes: None) -> None:
+    one = "    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi}\n"
+    start(node, workdir, config("partitions", one, "  partitionLayout: counters\n"))
+    by_size = [{"cel": {"expression": "device.attributes['gpu.gpuppetti.dev'].partitions == 4"}}]
+    node.apply([{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "p4"},
+                 "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                     "deviceClassName": "partition.gpu.gpuppetti.dev", "selectors": by_size}}]}}}}])
+    node.apply([claim_pod(f"part-{n}", "p4") for n in range(5)])
+    wait_for("four partitions running", lambda: sum(node.phase(f"part-{n}") == "Running" for n in range(5)) == 4, 90)
+    waiting = next(f"part-{n}" for n in range(5) if node.phase(f"part-{n}") != "Running")
+    wait_for(f"{waiting} unschedulable", lambda: pending(node, waiting))
+    parts = {node.env_of(f"part-{n}")["GPUPPETTI_SLICES"] for n in range(5) if f"part-{n}" != waiting}
     assert parts == {f"gpu-apple-0-p4-{p}" for p in range(4)}
 
 
@@ -254,7 +274,8 @@ def test_strategies_that_cannot_be_honoured_are_refused(node: RealNode, workdir:
 
 
 def test_own_writes_and_deletes_raise_no_false_alarm(node: RealNode, workdir: Path, classes: None) -> None:
-    daemon = start(node, workdir, config("partitions"))
+    # The counters layout: its whole-GPU devices, and more devices than whole GPUs alone.
+    daemon = start(node, workdir, config("partitions", extra="  partitionLayout: counters\n"))
     node.apply([claim_pod("a", "whole-gpu"), claim_pod("b", "whole-gpu")])
     node.wait_running("a", "b")
     node.delete("pod", "a")

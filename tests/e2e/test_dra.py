@@ -123,8 +123,35 @@ async def test_opaque_config_class_first_then_claim(cluster: Cluster) -> None:
 PARTITIONS = TWO_M3_MAX + "dra: {slicing: partitions, partitions: [2, 4, 8]}\n"
 
 
-async def test_partitionable_devices(cluster: Cluster) -> None:
+async def test_partitions_as_memory_taken_in_their_sizes(cluster: Cluster) -> None:
     cluster.start_driver(PARTITIONS)
+    await cluster.kubelet.wait_registered(DRIVER)
+    await cluster.wait_slices(lambda s: len(s) == 1)
+    devices = cluster.devices()
+    assert set(devices) == {"gpu-apple-0", "gpu-apple-1"}
+    gpu = devices["gpu-apple-1"]
+    assert gpu["allowMultipleAllocations"] is True
+    assert "consumesCounters" not in gpu
+    # The partition classes select it; the whole-GPU class does not.
+    assert gpu["attributes"]["partitions"] == {"int": 8}
+    assert gpu["capacity"] == {"memory": {"value": "48Gi", "requestPolicy": {
+        "default": "6Gi", "validValues": ["6Gi", "12Gi", "24Gi", "48Gi"]}}}
+
+    quarter = await cluster.allocate("quarter", [{"request": "gpu", "device": "gpu-apple-1", "shareID": "q1",
+                                                  "consumedCapacity": {"memory": "12Gi"}}])
+    odd = await cluster.allocate("odd", [{"request": "gpu", "device": "gpu-apple-1", "shareID": "o1",
+                                          "consumedCapacity": {"memory": "10Gi"}}])
+    answers = (await cluster.kubelet.prepare([quarter, odd]))[DRIVER]
+    assert answers[quarter.uid].error == ""
+    env = _env(_spec(cluster, quarter))
+    assert (env["GPUPPETTI_SHARING"], env["GPUPPETTI_CORES"], env["GPUPPETTI_MEMORY"], env["GPUPPETTI_REPLICAS"]) == (
+        "partition", "10", str(12 * 2**30), "4")
+    assert env["GPUPPETTI_SHARE_ID"] == "q1"
+    assert "not the size of one of its partitions (1/1, 1/2, 1/4, 1/8)" in answers[odd.uid].error
+
+
+async def test_partitionable_devices(cluster: Cluster) -> None:
+    cluster.start_driver(PARTITIONS.replace("[2, 4, 8]", "[2, 4, 8], partitionLayout: counters"))
     await cluster.kubelet.wait_registered(DRIVER)
     await cluster.wait_slices(lambda s: len(s) == 2)
     counters = [s for s in cluster.slices() if "sharedCounters" in s["spec"]]

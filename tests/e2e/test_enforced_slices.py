@@ -165,7 +165,9 @@ DRA_SMALL = SMALL.split("sharing:")[0]
 @pytest.mark.parametrize(("slicing", "result", "memory"), [
     ("consumable", {"device": "gpu-apple-0", "shareID": "a1b2c3", "consumedCapacity": {"memory": "256Mi"}},
      256 * MIB),
-    ("partitions", {"device": "gpu-apple-0-p4-1"}, 512 * MIB),
+    ("partitions", {"device": "gpu-apple-0", "shareID": "p1", "consumedCapacity": {"memory": "512Mi"}}, 512 * MIB),
+    # The slicing is written into a flow mapping: the counters layout comes along.
+    ("partitions, partitionLayout: counters", {"device": "gpu-apple-0-p4-1"}, 512 * MIB),
     ("whole", {"device": "gpu-apple-0"}, None),
 ])
 async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
@@ -229,7 +231,8 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     # A consumable share's part of the GPU's cores; where it names none, the part of the GPU it takes.
     ("consumable", {"device": "gpu-apple-0", "shareID": "a1b2c3", "consumedCapacity": {"cores": "10"}}, "250"),
     ("consumable", {"device": "gpu-apple-0", "shareID": "a1b2c3", "consumedCapacity": {"memory": "512Mi"}}, "250"),
-    ("partitions", {"device": "gpu-apple-0-p4-1"}, "250"),
+    ("partitions", {"device": "gpu-apple-0", "shareID": "p1", "consumedCapacity": {"memory": "512Mi"}}, "250"),
+    ("partitions, partitionLayout: counters", {"device": "gpu-apple-0-p4-1"}, "250"),
     ("whole", {"device": "gpu-apple-0"}, None),
 ])
 async def test_the_dra_driver_puts_the_claims_compute_share_in_its_cdi_spec(

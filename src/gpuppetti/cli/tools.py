@@ -35,7 +35,7 @@ def discover(args: argparse.Namespace) -> int:
     from gpuppetti.discovery import BackendUnavailable, with_host_facts
     from gpuppetti.inventory import Inventory
     from gpuppetti.report import gpu_records, print_gpus
-    from gpuppetti.sharing.replicas import plan_remarks
+    from gpuppetti.sharing.remarks import config_remarks
     from gpuppetti.vulkanlayer import BUILD_FIX, Enforcement, missing_files
 
     url = getattr(args, "from")
@@ -53,7 +53,7 @@ def discover(args: argparse.Namespace) -> int:
         gpus = [with_host_facts(gpu, facts) for gpu in gpus]
     if not gpus:
         raise Failure(nothing_found(found))
-    for remark in plan_remarks(gpus, found.config.sharing.time_slicing):
+    for remark in config_remarks(gpus, found.config):
         label = "warning" if remark.warning else "note"
         print(f"gpuppetti: {label}: {found.config.source}: {remark.path}: {remark.why}", file=sys.stderr)
     records = gpu_records(Inventory(found.config, gpus).snapshot)

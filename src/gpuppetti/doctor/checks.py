@@ -25,7 +25,7 @@ from gpuppetti.httpclient import FetchError, get
 from gpuppetti.inventory import Inventory
 from gpuppetti.nodepaths import CRI_SOCKETS, KUBELET_SOCKET
 from gpuppetti.quantity import format_bytes
-from gpuppetti.sharing.replicas import plan_remarks
+from gpuppetti.sharing.remarks import config_remarks
 from gpuppetti.vulkanlayer import BUILD_FIX, BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, missing_files
 
 SOCKET_TIMEOUT_S = 2.0
@@ -74,7 +74,7 @@ def config_and_gpus(sources: Sources) -> tuple[list[Result], Discovered | None]:
         results.append(fail("GPUs", nothing_found(found).replace(":\n  ", ": ", 1).replace("\n  ", "; "),
                             f"{fix}; for NVIDIA, install nvidia-ml-py (the nvml extra; the image has it) and the "
                             "driver; a virtio-gpu needs the virtio_gpu kernel module"))
-    for remark in plan_remarks(found.gpus, found.config.sharing.time_slicing):
+    for remark in config_remarks(found.gpus, found.config):
         if remark.warning:
             results.append(warn("sharing", f"{found.config.source}: {remark.path}: {remark.why}"))
     return results, found

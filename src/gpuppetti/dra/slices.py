@@ -71,7 +71,10 @@ def _capacity(capacities: tuple[Capacity, ...]) -> dict[str, DeviceCapacity]:
     found: dict[str, DeviceCapacity] = {}
     for capacity in capacities:
         entry: DeviceCapacity = {"value": _q(capacity.name, capacity.value)}
-        if capacity.default is not None and capacity.step is not None:
+        if capacity.default is not None and capacity.valid_values:
+            entry["requestPolicy"] = {"default": _q(capacity.name, capacity.default),
+                                      "validValues": [_q(capacity.name, v) for v in capacity.valid_values]}
+        elif capacity.default is not None and capacity.step is not None:
             step = _q(capacity.name, capacity.step)
             entry["requestPolicy"] = {"default": _q(capacity.name, capacity.default),
                                       "validRange": {"min": step, "max": entry["value"], "step": step}}
@@ -108,6 +111,9 @@ def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driv
     body: Device = {"name": device.name, "attributes": attributes, "capacity": shared.capacity(device.capacity)}
     if device.consumable:
         body["allowMultipleAllocations"] = True
+    if device.part_counts:
+        # The partition classes select devices by this attribute; a whole-GPU claim never lands here.
+        body["attributes"] = {**attributes, "partitions": Attribute(int=max(device.part_counts))}
     if device.counter_set is not None:
         own = {**attributes, "partitions": Attribute(int=device.partitions)}
         if device.partitions > 1:

@@ -115,6 +115,6 @@ def share_budgets(shares: Sequence[Share], enforce: Enforce) -> list[Budget]:
         size = share.size
         cores = share.gpu.cores
         compute = size.cores / cores if size.cores is not None and cores else size.fraction
-        parts.append(_Part(share.gpu, size.memory, share.share_id is not None or share.device.partitions > 1,
+        parts.append(_Part(share.gpu, size.memory, share.share_id is not None or share.parts > 1,
                            compute))
     return _budgets(parts, enforce)

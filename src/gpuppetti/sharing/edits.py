@@ -99,10 +99,10 @@ def container_edits(units: Sequence[Unit], gpus: Mapping[str, Gpu]) -> Container
 
 
 def _claim_sharing(shares: Sequence[Share], strategy: str) -> str:
+    if any(share.parts > 1 for share in shares):
+        return "partition"
     if any(share.share_id for share in shares):
         return "consumable"
-    if any(share.device.partitions > 1 for share in shares):
-        return "partition"
     return {"TimeSlicing": "time-slicing", "Exclusive": "none", "MPS": "mps"}[strategy]
 
 
@@ -111,7 +111,7 @@ def claim_edits(shares: Sequence[Share], strategy: str, mps: MpsSettings, gpus: 
     """The DRA driver's edits for one request of a claim: the device plugin's for its GPUs, plus the share each one
     gives (cooperative limits), the share ids and, for MPS on NVIDIA, MPS's own settings."""
     gpu_ids = _ordered_gpus([share.gpu.id for share in shares])
-    replicas = {share.gpu.id: share.device.partitions for share in shares}
+    replicas = {share.gpu.id: share.parts for share in shares}
     edits = _edits(gpu_ids, [s.device.name for s in shares], _claim_sharing(shares, strategy), replicas, gpus)
     edits.env["GPUPPETTI_CLAIM"] = claim_uid
     sizes = [share.size for share in shares]

@@ -1,4 +1,9 @@
-"""The DRA driver's devices: each GPU whole, as partitions that consume its counters, or as consumable capacity.
+"""The DRA driver's devices: each GPU whole, as partitions, or as consumable capacity.
+
+Partitions come in two layouts. ``capacity``: one device per GPU that many claims share, its memory taken only in
+the partitions' sizes (a request policy's validValues), so that a claim gets one partition's worth of the GPU.
+``counters``: a device per partition, each consuming the GPU's shared counters (the API's partitionable devices).
+Both give a claim the same sizes; the scheduler pays 20 to 800 times more per pod for counters (docs/scale.md).
 
 Every device carries its size, computed here once: the ResourceSlices advertise it, and a claim's container is
 told it.
@@ -29,6 +34,8 @@ class Capacity:
     value: Fraction
     default: Fraction | None = None
     step: Fraction | None = None
+    # Instead of a step: the only amounts a claim may take, ascending (the scheduler rounds a request up to one).
+    valid_values: tuple[Fraction, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,10 @@ class PoolDevice:
     partitions: int = 1
     part: int = 0
     consumable: bool = False
-    # Partitions mode: the counter set every device of this GPU draws from.
+    # Partitions, counters layout: the counter set every device of this GPU draws from.
     counter_set: str | None = None
+    # Partitions, capacity layout: the numbers of equal parts a claim may take this GPU in (1: all of it).
+    part_counts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,24 @@ def gpu_device_name(gpu: Gpu) -> str:
 
 def counter_set_name(gpu: Gpu) -> str:
     return f"{gpu_device_name(gpu)}-counters"
+
+
+@functools.cache
+def _partition_capacity(memory: int, counts: tuple[int, ...]) -> tuple[Capacity, ...]:
+    """A GPU's memory, taken in one of its partitions' sizes; by default the smallest. Memory, because its sizes
+    are whole numbers of bytes: the API compares valid values as integers, so fractions of a share or of a core
+    would collide."""
+    values = tuple(sorted({Fraction(memory // count) for count in counts}))
+    return (Capacity("memory", Fraction(memory), values[0], valid_values=values),)
+
+
+def partition_counts(device: PoolDevice, memory: Fraction) -> int | None:
+    """How many equal parts of its GPU ``memory`` of a capacity-layout device is; None when it is none of them."""
+    total = next((c.value for c in device.capacity if c.name == "memory"), None)
+    for count in device.part_counts:
+        if total is not None and memory == total // count:
+            return count
+    return None
 
 
 @functools.cache
@@ -111,6 +138,12 @@ def build_pool(gpus: Iterable[Gpu], section: DraSection) -> Pool:
         if section.slicing == "whole":
             devices[base] = PoolDevice(base, gpu.id, whole, plain)
             continue
+        counts = tuple(sorted({1, *section.partitions}))
+        if section.partition_layout == "capacity" and gpu.memory_bytes:
+            devices[base] = PoolDevice(base, gpu.id, whole, _partition_capacity(gpu.memory_bytes, counts),
+                                       consumable=True, part_counts=counts)
+            continue
+        # The counters layout, and a GPU whose memory is not known (nothing to take the partitions' sizes of).
         counters = counter_set_name(gpu)
         counter_sets.append(CounterSet(counters, gpu.id, MappingProxyType(whole.amounts())))
         devices[base] = PoolDevice(base, gpu.id, whole, plain, counter_set=counters)

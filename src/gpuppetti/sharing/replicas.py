@@ -146,8 +146,9 @@ def build_plan(gpus: Sequence[Gpu], time_slicing: TimeSlicing, source: str) -> d
 
 @dataclass(frozen=True)
 class Remark:
-    """Something in the sharing section that does nothing on these GPUs. A warning where it is surely a mistake;
-    a note where it is what a config shared by nodes of several vendors does (an entry for a vendor not here)."""
+    """Something in a config that does nothing on these GPUs, or costs more than it needs to. A warning where it is
+    surely a mistake; a note where it is what a config shared by nodes of several vendors does (an entry for a
+    vendor not here)."""
 
     path: str
     why: str

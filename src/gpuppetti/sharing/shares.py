@@ -9,7 +9,7 @@ from fractions import Fraction
 
 from gpuppetti.model import Gpu, Vendor
 from gpuppetti.quantity import parse_quantity
-from gpuppetti.sharing.pool import PoolDevice
+from gpuppetti.sharing.pool import PoolDevice, partition_counts
 from gpuppetti.sharing.size import Size
 
 
@@ -19,6 +19,8 @@ class Share:
     gpu: Gpu
     size: Size
     share_id: str | None = None
+    # The number of equal parts of its GPU this share is one of; 1 when it is not a partition.
+    parts: int = 1
 
 
 class ShareError(ValueError):
@@ -28,7 +30,7 @@ class ShareError(ValueError):
 def claim_share(device: PoolDevice, gpu: Gpu, consumed: Mapping[str, str] | None, share_id: str | None) -> Share:
     """The share a claim got of ``device``: what it consumed of a consumable device, else the whole device."""
     if not consumed:
-        return Share(device, gpu, device.size, share_id)
+        return Share(device, gpu, device.size, share_id, device.partitions)
     amounts: dict[str, Fraction] = {}
     for name, text in consumed.items():
         try:
@@ -41,6 +43,16 @@ def claim_share(device: PoolDevice, gpu: Gpu, consumed: Mapping[str, str] | None
     if memory is not None and memory.denominator != 1:
         raise ShareError(f"device {device.name}: consumedCapacity.memory {consumed['memory']!r} is not a whole "
                          "number of bytes")
+    if device.part_counts:
+        sizes = f"1/{', 1/'.join(map(str, device.part_counts))}"
+        if memory is None:
+            raise ShareError(f"device {device.name}: no consumedCapacity.memory: a claim takes one of its partitions "
+                             f"({sizes}) by its memory")
+        count = partition_counts(device, memory)
+        if count is None:
+            raise ShareError(f"device {device.name}: consumedCapacity.memory {consumed['memory']!r} is not the size "
+                             f"of one of its partitions ({sizes})")
+        return Share(device, gpu, Size.part(gpu, count), share_id, count)
     fraction = amounts.get("share")
     if fraction is None:
         # The fraction that the largest of the named amounts is of the GPU: what the claim may assume it has.
@@ -53,12 +65,12 @@ def claim_share(device: PoolDevice, gpu: Gpu, consumed: Mapping[str, str] | None
 def cannot_honour(strategy: str, share: Share) -> str | None:
     """Why ``strategy`` cannot be what ``share`` gets; None when it can. Running the pod anyway would promise what
     nobody delivers."""
+    if strategy == "Exclusive" and share.parts > 1:
+        return ("a partition shares its GPU with the other partitions (dra.slicing: whole gives a claim the GPU "
+                "to itself)")
     if strategy == "Exclusive" and share.share_id:
         return ("in consumable mode the device shares its capacity with other claims (dra.slicing: whole gives "
                 "a claim the GPU to itself)")
-    if strategy == "Exclusive" and share.device.partitions > 1:
-        return ("a partition shares its GPU with the other partitions (dra.slicing: whole gives a claim the GPU "
-                "to itself)")
     if strategy == "MPS" and share.gpu.vendor is not Vendor.NVIDIA:
         return f"MPS is NVIDIA's Multi-Process Service, and this GPU is {share.gpu.vendor.value}"
     return None

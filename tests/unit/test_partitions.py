@@ -1,0 +1,77 @@
+"""Partitions in both layouts: what the pool holds, what a claim is given, and the warning a costly pool earns."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from gpuppetti.discovery.simulated import SimulatedBackend
+from gpuppetti.dra.slices import pool_content
+from gpuppetti.inventory import Inventory
+from gpuppetti.model import Gpu
+from gpuppetti.sharing.pool import build_pool
+from gpuppetti.sharing.remarks import MAX_DEVICES_PER_NODE, pool_remarks
+from gpuppetti.sharing.shares import ShareError, claim_share
+from tests.helpers import config_from
+
+GIB = 2**30
+
+
+def _setup(dra: str, gpus: str = "{model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, count: 2}") -> \
+        tuple[list[Gpu], Inventory]:
+    config = config_from(f"version: v1\nbackend: simulated\nsimulated:\n  gpus: [{gpus}]\ndra: {dra}\n")
+    gpus_found = SimulatedBackend(config.simulated).discover()
+    return gpus_found, Inventory(config, gpus_found)
+
+
+def test_capacity_layout_is_one_shared_device_per_gpu_taken_in_the_partitions_sizes() -> None:
+    gpus, inventory = _setup("{slicing: partitions, partitions: [8, 2]}")
+    pool = inventory.snapshot.pool
+    assert list(pool.devices) == ["gpu-apple-0", "gpu-apple-1"] and not pool.counter_sets
+    device = pool.devices["gpu-apple-0"]
+    assert device.consumable and device.part_counts == (1, 2, 8)
+    [memory] = device.capacity
+    assert memory.valid_values == (Fraction(6 * GIB), Fraction(24 * GIB), Fraction(48 * GIB))
+    assert memory.default == 6 * GIB
+    for count, text in ((1, "48Gi"), (2, "24Gi"), (8, "6Gi")):
+        share = claim_share(device, gpus[0], {"memory": text}, "s")
+        assert (share.parts, share.size.cores, share.size.memory) == (count, Fraction(40, count), 48 * GIB // count)
+    with pytest.raises(ShareError, match=r"12Gi.*not the size of one of its partitions \(1/1, 1/2, 1/8\)"):
+        claim_share(device, gpus[0], {"memory": "12Gi"}, "s")
+    with pytest.raises(ShareError, match=r"no consumedCapacity\.memory"):
+        claim_share(device, gpus[0], {"cores": "10"}, "s")
+
+
+def test_capacity_layout_slices_are_small_and_counter_free() -> None:
+    _, inventory = _setup("{slicing: partitions}", "{model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, "
+                          "count: 8}")
+    [spec] = pool_content(inventory.snapshot, "node-a").specs
+    assert "sharedCounters" not in spec and len(spec["devices"]) == 8
+    device = spec["devices"][0]
+    assert device["allowMultipleAllocations"] is True
+    assert device["attributes"]["partitions"] == {"int": 8}
+    assert device["capacity"]["memory"]["requestPolicy"] == {"default": "6Gi",
+                                                             "validValues": ["6Gi", "12Gi", "24Gi", "48Gi"]}
+
+
+def test_a_gpu_of_unknown_memory_falls_back_to_counters_and_says_so() -> None:
+    gpus, inventory = _setup("{slicing: partitions, partitions: [4]}",
+                             "{model: Apple M3 Max, vendor: apple, cores: 40, count: 1}")
+    assert set(inventory.snapshot.pool.devices) == {"gpu-apple-0", *(f"gpu-apple-0-p4-{p}" for p in range(4))}
+    [remark] = pool_remarks(gpus, inventory.config.dra)
+    assert remark.warning and remark.path == "dra.partitions" and "memory is unknown" in remark.why
+
+
+def test_the_counters_layout_and_too_many_devices_are_warned_about() -> None:
+    gpus, inventory = _setup("{slicing: partitions, partitionLayout: counters}")
+    [remark] = pool_remarks(gpus, inventory.config.dra)
+    assert remark.path == "dra.partitionLayout" and "30 devices on this node" in remark.why
+    assert "docs/scale.md" in remark.why
+    for dra in ("{slicing: partitions}", "{slicing: whole}", "{slicing: consumable}"):
+        assert pool_remarks(gpus, _setup(dra)[1].config.dra) == [], dra
+    many = f"{{model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, count: {MAX_DEVICES_PER_NODE + 1}}}"
+    gpus, inventory = _setup("{slicing: whole}", many)
+    [remark] = pool_remarks(gpus, inventory.config.dra)
+    assert f"{MAX_DEVICES_PER_NODE + 1} devices on this node" in remark.why
+    assert build_pool([], inventory.config.dra).devices == {}
