@@ -13,7 +13,7 @@ NATIVE_OUT := src/gpuppetti/_native
 NATIVE := $(NATIVE_OUT)/libVkLayer_gpuppetti.so $(NATIVE_OUT)/gpuppetti-vkinfo
 NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native/vulkan-layer/Makefile
 
-.PHONY: demo test unit e2e lint typecheck proto deploy image bench clean native dist gpu-check venus
+.PHONY: demo test unit e2e lint typecheck proto deploy image bench bench-scale clean native dist gpu-check venus
 
 $(STAMP): pyproject.toml
 	@echo "installing gpuppetti and its dependencies into $(VENV) (first run, or pyproject.toml changed: about a minute)"
@@ -37,17 +37,28 @@ demo: $(STAMP) native
 
 # The tests start the daemons as hundreds of processes: their modules are compiled once here, not in each of them
 # (where PYTHONDONTWRITEBYTECODE is set, nothing else would keep the compiled modules).
-# Three runs: most tests in two workers (pytest-xdist); then, one at a time, those that share a machine-wide
-# resource (the real node, podman's images); then the Venus tier, alone: its VMs emulate their CPU and would slow
-# every timing of the other tests.
+# Two phases. First most tests in two workers (pytest-xdist), while the Venus tier's chroot and applications are
+# made in the background (debootstrap and apt: the network and the disk, little CPU). Then the tests that share a
+# machine-wide resource (the real node, podman's images), one at a time, beside the Venus tier, whose VMs run
+# mostly alone on the second core; its output is kept in a log and printed when it ends. --durations says where
+# the time went.
 TEST_WORKERS ?= 2
+TEST_LOGS := .test-logs
 SERIAL_TESTS := tests/cluster tests/apps tests/e2e/test_enforced_slices.py tests/e2e/test_sandbox.py \
 	tests/e2e/test_plugin_cdi.py tests/e2e/test_vulkan_layer.py
 test: lint typecheck native
 	$(BIN)/python -m compileall -q src
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --ignore=tests/venus $(addprefix --ignore=,$(SERIAL_TESTS))
-	$(BIN)/python -m pytest $(SERIAL_TESTS)
-	$(BIN)/python -m pytest tests/venus
+	@mkdir -p $(TEST_LOGS)
+	@echo "the Venus tier's chroot is prepared in the background ($(TEST_LOGS)/venus-prepare.log)"
+	@$(BIN)/python -m tests.venus.venusnode > $(TEST_LOGS)/venus-prepare.log 2>&1 & prepare=$$!; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 --ignore=tests/venus \
+	  $(addprefix --ignore=,$(SERIAL_TESTS)); status=$$?; \
+	wait $$prepare; cat $(TEST_LOGS)/venus-prepare.log; exit $$status
+	@echo "the Venus tier runs beside the serial tests; its output follows theirs ($(TEST_LOGS)/venus.log)"
+	@$(BIN)/python -m pytest --durations=10 tests/venus > $(TEST_LOGS)/venus.log 2>&1 & venus=$$!; \
+	$(BIN)/python -m pytest --durations=15 $(SERIAL_TESTS); serial=$$?; \
+	wait $$venus; venus_status=$$?; echo "---- the Venus tier"; cat $(TEST_LOGS)/venus.log; \
+	[ $$serial -eq 0 ] && [ $$venus_status -eq 0 ]
 
 unit: $(STAMP) native
 	$(BIN)/python -m pytest tests/unit
@@ -80,7 +91,7 @@ dist: $(STAMP)
 
 # Every build output: the venv, caches, the layer (in the package and in its own directory), the package builds.
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache src/*.egg-info $(NATIVE_OUT) \
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .import_linter_cache src/*.egg-info $(NATIVE_OUT) $(TEST_LOGS) \
 		native/vulkan-layer/build build dist
 	find src tests tools bench -name __pycache__ -type d -prune -exec rm -rf {} +
 
@@ -96,3 +107,8 @@ gpu-check: $(STAMP) native
 
 bench: $(STAMP) native
 	PYTHONPATH=. $(BIN)/python bench/run.py --json bench/results.json
+
+# DRA at cluster scale, over the real-node kit (root): 50, 200 and 500 simulated nodes per slicing shape, about
+# 25 minutes; BENCH_SCALE_ARGS="--nodes 50 --shapes whole,partitions" for less.
+bench-scale: $(STAMP)
+	PYTHONPATH=. $(BIN)/python bench/scale.py --json bench/scale-results.json $(BENCH_SCALE_ARGS)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.apps.support import WGPU
 from tests.helpers import fenced_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -300,3 +301,26 @@ class Batch:
             if path.suffix in (".log", ".err", ".txt", ".rc") and path.stat().st_size:
                 logs.append(f"---- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-25:]))
         return f"VM exit {self.run.code}\n{self.run.tail()}\n" + "\n".join(logs)
+
+
+def prepare() -> int:
+    """`python -m tests.venus.venusnode`: the kit's chroot and the applications' venv in it, made ahead of the tier
+    (make test does this in the background while other tests run). Never fails: the tier's own tests report what
+    could not be made, with its reason."""
+    reason = why_not()
+    if reason is not None:
+        print(f"venus tier: nothing to prepare: {reason}")
+        return 0
+    started = time.monotonic()
+    try:
+        setup()
+        install_apps((WGPU,))
+    except (CannotRun, RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"venus tier: not prepared ahead (its tests will say why): {exc}")
+        return 0
+    print(f"venus tier: chroot and applications ready in {STATE_DIR} after {time.monotonic() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(prepare())
