@@ -99,8 +99,9 @@ class VirtioSection(Strict):
     model: str | None = Field(default=None, min_length=1)
     cores: int | None = Field(default=None, ge=1)
     memory: Bytes | None = None
-    # "vid:did" for MESA_VK_DEVICE_SELECT, as `MESA_VK_DEVICE_SELECT=list vulkaninfo` prints it in the guest.
-    vulkan_device: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{1,4}:[0-9a-fA-F]{1,4}$")
+    # "vid:did" for MESA_VK_DEVICE_SELECT, as `MESA_VK_DEVICE_SELECT=list vulkaninfo` prints it in the guest. Vulkan
+    # ids are 32 bits: PCI vendors fit in 4 hex digits, Khronos-registered ones do not (Mesa's drivers are 0x10005).
+    vulkan_device: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{1,8}:[0-9a-fA-F]{1,8}$")
 
 
 class HealthSection(Strict):

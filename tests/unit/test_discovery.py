@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from gpuppetti.config import VirtioSection
+from gpuppetti.config import ConfigError, VirtioSection
 from gpuppetti.discovery import BackendUnavailable, backends_for, discover
 from gpuppetti.discovery.drm import DrmBackend
 from gpuppetti.discovery.macos import parse_ioreg, parse_system_profiler
@@ -75,6 +75,17 @@ def test_virtio_marked_apple_by_the_config(tmp_path: Path) -> None:
     assert (gpu.vendor, gpu.model, gpu.cores, gpu.memory_bytes) == (Vendor.APPLE, "Apple M3 Max", 40, 48 * 2**30)
     assert gpu.resource_name == "apple.com/gpu"
     assert gpu.pci_ids == ("106b", "0e0a")
+
+
+@pytest.mark.parametrize(("given", "ids"), [("10005:0", ("10005", "0000")), ("106B:E0A", ("106b", "0e0a"))])
+def test_vulkan_device_ids_are_32_bits(tmp_path: Path, given: str, ids: tuple[str, str]) -> None:
+    """Mesa's own drivers (lavapipe, and Venus over it) report the Khronos vendor id 0x10005."""
+    virtio_vm(tmp_path)
+    section = config_from(f"version: v1\nvirtio: {{vendor: apple, vulkanDevice: \"{given}\"}}\n").virtio
+    [gpu] = DrmBackend(tmp_path, section).discover()
+    assert gpu.pci_ids == ids
+    with pytest.raises(ConfigError, match="vulkanDevice"):
+        config_from("version: v1\nvirtio: {vulkanDevice: \"123456789:0\"}\n")
 
 
 def test_two_vendors_are_indexed_per_vendor(tmp_path: Path) -> None:
