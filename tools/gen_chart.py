@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from gen_deploy import write_rendered  # its neighbour in tools/, which is on sys.path when either runs
 from pydantic import BaseModel, BeforeValidator, PlainValidator, WrapValidator
 from pydantic.alias_generators import to_camel
 
@@ -474,10 +475,7 @@ def rendered() -> dict[Path, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.parse_args()
-    for path, text in rendered().items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path.relative_to(ROOT)}")
+    write_rendered(rendered())
     return 0
 
 

@@ -26,13 +26,17 @@ def rendered() -> dict[Path, str]:
     return files
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.parse_args()
-    for path, text in rendered().items():
+def write_rendered(files: dict[Path, str]) -> None:
+    for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path.relative_to(ROOT)}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.parse_args()
+    write_rendered(rendered())
     return 0
 
 
