@@ -1,14 +1,20 @@
-/* The layer's behaviour, in C, through the real Vulkan loader on a real driver (Mesa's lavapipe): built with
- * AddressSanitizer and UndefinedBehaviorSanitizer, like the layer it loads (make check).
+/* The layer's behaviour, in C, through the real Vulkan loader, built with AddressSanitizer and
+ * UndefinedBehaviorSanitizer like the layer it loads (make check). Two drivers: a real one, Mesa's lavapipe (a CPU
+ * device, one heap, no VK_EXT_memory_budget of its own), and a fake one (fake_icd.c) whose GPUs, heaps, budgets and
+ * PCI bus addresses each scenario sets, for what lavapipe cannot provoke: a discrete GPU's device-local and host
+ * heaps, a driver with its own memory budget, several GPUs. The fake driver counts what reaches it, so a scenario
+ * can tell what the layer refused from what the driver refused.
  *
  *   harness                 run every scenario, each in a process of its own with its own environment
  *   harness SCENARIO        run one (the environment already set)
  *
- * The layer is enabled as an explicit layer (VK_LAYER_PATH, VK_INSTANCE_LAYERS: make check sets them), so that
- * nothing needs installing. Exit status: 0 when every scenario passed, 1 otherwise; a scenario that crashes or that
- * a sanitizer stops is a failure.
+ * make check installs the layer as an implicit layer (XDG_DATA_HOME) and says where the drivers are:
+ * HARNESS_LAVAPIPE (lavapipe's manifest; empty: its scenarios are skipped), HARNESS_FAKE_ICD (the fake driver's
+ * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library). Exit status: 0 when every scenario passed, 1 otherwise; a
+ * scenario that crashes or that a sanitizer stops is a failure.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -26,8 +32,10 @@
 #include <vulkan/vulkan.h>
 
 #include "../accounting.h"
+#include "fake_icd.h"
 
 #define MIB (1024ull * 1024ull)
+#define GIB (1024ull * MIB)
 #define SLICE_MIB 256
 
 static const char *scenario_name = "";
@@ -96,11 +104,17 @@ static VkDevice make_device(VkPhysicalDevice physical, const char *const *extens
     return result == VK_SUCCESS ? device : VK_NULL_HANDLE;
 }
 
-static VkResult allocate(VkDevice device, VkDeviceSize size, const void *next, VkDeviceMemory *out)
+static VkResult allocate_in(VkDevice device, uint32_t type, VkDeviceSize size, const void *next,
+                            VkDeviceMemory *out)
 {
     VkMemoryAllocateInfo info = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO, .pNext = next,
-                                 .allocationSize = size, .memoryTypeIndex = 0};
+                                 .allocationSize = size, .memoryTypeIndex = type};
     return vkAllocateMemory(device, &info, NULL, out);
+}
+
+static VkResult allocate(VkDevice device, VkDeviceSize size, const void *next, VkDeviceMemory *out)
+{
+    return allocate_in(device, 0, size, next, out);
 }
 
 static void budget_of(VkPhysicalDevice physical, VkDeviceSize *heap_size, VkDeviceSize *budget, VkDeviceSize *usage)
@@ -115,13 +129,15 @@ static void budget_of(VkPhysicalDevice physical, VkDeviceSize *heap_size, VkDevi
     *usage = budgets.heapUsage[0];
 }
 
-/* Allocate chunks until refused: how much was obtained, and the refusal. */
-static VkDeviceSize fill(VkDevice device, VkDeviceSize chunk, VkResult *refusal, VkDeviceMemory *held, int room)
+/* Allocate chunks of one memory type until refused: how much was obtained, and the refusal. held[] ends with
+ * VK_NULL_HANDLE where it was refused. */
+static VkDeviceSize fill_in(VkDevice device, uint32_t type, VkDeviceSize chunk, VkResult *refusal,
+                            VkDeviceMemory *held, int room)
 {
     VkDeviceSize total = 0;
     *refusal = VK_SUCCESS;
     for (int i = 0; i < room; i++) {
-        VkResult result = allocate(device, chunk, NULL, &held[i]);
+        VkResult result = allocate_in(device, type, chunk, NULL, &held[i]);
         if (result != VK_SUCCESS) {
             *refusal = result;
             held[i] = VK_NULL_HANDLE;
@@ -130,6 +146,20 @@ static VkDeviceSize fill(VkDevice device, VkDeviceSize chunk, VkResult *refusal,
         total += chunk;
     }
     return total;
+}
+
+static VkDeviceSize fill(VkDevice device, VkDeviceSize chunk, VkResult *refusal, VkDeviceMemory *held, int room)
+{
+    return fill_in(device, 0, chunk, refusal, held, room);
+}
+
+/* Free what fill_in obtained. */
+static void free_held(VkDevice device, VkDeviceMemory *held, int room)
+{
+    for (int i = 0; i < room && held[i] != VK_NULL_HANDLE; i++) {
+        vkFreeMemory(device, held[i], NULL);
+        held[i] = VK_NULL_HANDLE;
+    }
 }
 
 /* -- scenarios ------------------------------------------------------------------------------------------------- */
@@ -336,6 +366,571 @@ static void throttled_submits(void)
     vkDestroyInstance(instance, NULL);
 }
 
+/* -- the fake driver: what it was told, what an application sees of its GPUs, and what reached it --------------- */
+
+/* A size the fake driver was given (bytes, or with K, M or G), 0 where it was not. */
+static VkDeviceSize setting_size(const char *name)
+{
+    const char *value = getenv(name);
+    if (value == NULL) {
+        return 0;
+    }
+    char *end = NULL;
+    VkDeviceSize size = strtoull(value, &end, 10);
+    switch (*end) {
+    case 'K': return size << 10;
+    case 'M': return size << 20;
+    case 'G': return size << 30;
+    default: return size;
+    }
+}
+
+static bool driver_budget(void)
+{
+    const char *value = getenv("FAKE_ICD_BUDGET");
+    return value != NULL && strcmp(value, "1") == 0;
+}
+
+/* What reached the fake driver for one of its GPUs: read from the library the loader loaded, not from a copy. */
+static struct fake_icd_stats driver_saw(uint32_t gpu)
+{
+    static fake_icd_stats_function get;
+    struct fake_icd_stats stats;
+    memset(&stats, 0, sizeof stats);
+    if (get == NULL) {
+        const char *library = getenv("HARNESS_FAKE_ICD_LIBRARY");
+        void *handle = library != NULL ? dlopen(library, RTLD_NOW | RTLD_NOLOAD) : NULL;
+        CHECK(handle != NULL, "the fake driver %s is not the one the loader loaded", library ? library : "(unset)");
+        if (handle == NULL) {
+            return stats;
+        }
+        get = (fake_icd_stats_function)dlsym(handle, FAKE_ICD_STATS_SYMBOL);
+        CHECK(get != NULL, "the fake driver has no %s", FAKE_ICD_STATS_SYMBOL);
+    }
+    CHECK(get != NULL && get(gpu, &stats), "the fake driver has no GPU %u", gpu);
+    return stats;
+}
+
+/* Nothing the driver could not have served reached it, and it holds nothing: checked at each scenario's end. */
+static void driver_clean(uint32_t gpus)
+{
+    for (uint32_t gpu = 0; gpu < gpus; gpu++) {
+        struct fake_icd_stats stats = driver_saw(gpu);
+        CHECK(stats.bad_calls == 0, "GPU %u: %llu calls the driver could not have served", gpu,
+              (unsigned long long)stats.bad_calls);
+        for (int heap = 0; heap < FAKE_ICD_MAX_HEAPS; heap++) {
+            CHECK(stats.in_use[heap] == 0, "GPU %u heap %d: the driver still holds %llu MiB", gpu, heap,
+                  (unsigned long long)(stats.in_use[heap] / MIB));
+        }
+    }
+}
+
+/* What an application sees of one GPU, through the layer. */
+struct view {
+    int gpu; /* the fake GPU, by its UUID; -1: not one of the fake driver's */
+    VkPhysicalDeviceProperties properties;
+    VkDeviceSize max_allocation_11, max_allocation_m3; /* Vulkan11Properties, Maintenance3Properties */
+    VkDeviceSize max_buffer_13, max_buffer_m4;         /* Vulkan13Properties, Maintenance4Properties */
+    bool pci_listed;
+    VkPhysicalDevicePCIBusInfoPropertiesEXT pci;
+    VkPhysicalDeviceMemoryProperties memory;
+    VkPhysicalDeviceMemoryBudgetPropertiesEXT budget;
+};
+
+static struct view look(VkPhysicalDevice physical)
+{
+    struct view view;
+    memset(&view, 0, sizeof view);
+    view.pci_listed = has_device_extension(physical, VK_EXT_PCI_BUS_INFO_EXTENSION_NAME, NULL);
+    int times = 0;
+    CHECK(has_device_extension(physical, VK_EXT_MEMORY_BUDGET_EXTENSION_NAME, &times) && times == 1,
+          "VK_EXT_memory_budget listed %d times", times);
+    /* The 1.1 structures one by one, then the same as Vulkan11Properties: a chain may not hold both. */
+    VkPhysicalDevicePCIBusInfoPropertiesEXT pci = {
+        .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PCI_BUS_INFO_PROPERTIES_EXT};
+    VkPhysicalDeviceMaintenance4Properties m4 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_4_PROPERTIES,
+                                                 .pNext = view.pci_listed ? &pci : NULL};
+    VkPhysicalDeviceMaintenance3Properties m3 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES,
+                                                 .pNext = &m4};
+    VkPhysicalDeviceIDProperties id = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_ID_PROPERTIES, .pNext = &m3};
+    VkPhysicalDeviceProperties2 properties = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &id};
+    vkGetPhysicalDeviceProperties2(physical, &properties);
+    VkPhysicalDeviceVulkan13Properties v13 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_PROPERTIES};
+    VkPhysicalDeviceVulkan11Properties v11 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_PROPERTIES,
+                                              .pNext = &v13};
+    VkPhysicalDeviceProperties2 properties11 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2,
+                                                .pNext = &v11};
+    vkGetPhysicalDeviceProperties2(physical, &properties11);
+    view.gpu = fake_icd_gpu_of(id.deviceUUID);
+    CHECK(view.gpu >= 0, "a GPU that is not the fake driver's: %s", properties.properties.deviceName);
+    CHECK(memcmp(id.deviceUUID, v11.deviceUUID, VK_UUID_SIZE) == 0, "two UUIDs for one GPU");
+    view.properties = properties.properties;
+    view.max_allocation_11 = v11.maxMemoryAllocationSize;
+    view.max_allocation_m3 = m3.maxMemoryAllocationSize;
+    view.max_buffer_13 = v13.maxBufferSize;
+    view.max_buffer_m4 = m4.maxBufferSize;
+    view.pci = pci;
+
+    view.budget.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT;
+    VkPhysicalDeviceMemoryProperties2 memory = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2,
+                                                .pNext = &view.budget};
+    vkGetPhysicalDeviceMemoryProperties2(physical, &memory);
+    view.memory = memory.memoryProperties;
+    view.budget.pNext = NULL;
+    /* The 1.0 call says the same. */
+    VkPhysicalDeviceMemoryProperties plain;
+    vkGetPhysicalDeviceMemoryProperties(physical, &plain);
+    CHECK(plain.memoryHeapCount == view.memory.memoryHeapCount, "%u heaps, and %u", plain.memoryHeapCount,
+          view.memory.memoryHeapCount);
+    for (uint32_t heap = 0; heap < plain.memoryHeapCount && heap < VK_MAX_MEMORY_HEAPS; heap++) {
+        CHECK(plain.memoryHeaps[heap].size == view.memory.memoryHeaps[heap].size,
+              "heap %u: %llu MiB by vkGetPhysicalDeviceMemoryProperties, %llu by its 2", heap,
+              (unsigned long long)(plain.memoryHeaps[heap].size / MIB),
+              (unsigned long long)(view.memory.memoryHeaps[heap].size / MIB));
+    }
+    return view;
+}
+
+/* One heap as an application sees it: its size, its budget and its usage, each exactly. */
+static void expect_heap(const struct view *view, uint32_t heap, VkDeviceSize size, VkDeviceSize budget,
+                        VkDeviceSize usage)
+{
+    CHECK(heap < view->memory.memoryHeapCount, "GPU %d has no heap %u", view->gpu, heap);
+    if (heap >= view->memory.memoryHeapCount) {
+        return;
+    }
+    CHECK(view->memory.memoryHeaps[heap].size == size, "GPU %d heap %u: %llu MiB, not %llu", view->gpu, heap,
+          (unsigned long long)(view->memory.memoryHeaps[heap].size / MIB), (unsigned long long)(size / MIB));
+    CHECK(view->budget.heapBudget[heap] == budget, "GPU %d heap %u: a budget of %llu MiB, not %llu", view->gpu,
+          heap, (unsigned long long)(view->budget.heapBudget[heap] / MIB), (unsigned long long)(budget / MIB));
+    CHECK(view->budget.heapUsage[heap] == usage, "GPU %d heap %u: %llu MiB in use, not %llu", view->gpu, heap,
+          (unsigned long long)(view->budget.heapUsage[heap] / MIB), (unsigned long long)(usage / MIB));
+}
+
+/* The largest allocation and buffer an application is told it may make. */
+static void expect_limits(const struct view *view, VkDeviceSize largest)
+{
+    CHECK(view->max_allocation_11 == largest && view->max_allocation_m3 == largest,
+          "GPU %d: maxMemoryAllocationSize %llu and %llu MiB, not %llu", view->gpu,
+          (unsigned long long)(view->max_allocation_11 / MIB), (unsigned long long)(view->max_allocation_m3 / MIB),
+          (unsigned long long)(largest / MIB));
+    CHECK(view->max_buffer_13 == largest && view->max_buffer_m4 == largest,
+          "GPU %d: maxBufferSize %llu and %llu MiB, not %llu", view->gpu,
+          (unsigned long long)(view->max_buffer_13 / MIB), (unsigned long long)(view->max_buffer_m4 / MIB),
+          (unsigned long long)(largest / MIB));
+}
+
+/* Every GPU the application may see, at most room of them. */
+static uint32_t all_gpus(VkInstance instance, VkPhysicalDevice *out, uint32_t room)
+{
+    uint32_t count = 0;
+    VkResult result = vkEnumeratePhysicalDevices(instance, &count, NULL);
+    CHECK(result == VK_SUCCESS, "vkEnumeratePhysicalDevices: %d", result);
+    CHECK(count <= room, "%u GPUs", count);
+    count = count < room ? count : room;
+    result = vkEnumeratePhysicalDevices(instance, &count, out);
+    CHECK(result == VK_SUCCESS, "vkEnumeratePhysicalDevices: %d", result);
+    return count;
+}
+
+/* The groups hold exactly the GPUs enumerated, each once (the fake driver makes each GPU a group of its own). */
+static void expect_groups(VkInstance instance, const VkPhysicalDevice *gpus, uint32_t count)
+{
+    uint32_t groups = 0;
+    VkResult result = vkEnumeratePhysicalDeviceGroups(instance, &groups, NULL);
+    CHECK(result == VK_SUCCESS && groups == count, "vkEnumeratePhysicalDeviceGroups: %d, %u groups of %u GPUs",
+          result, groups, count);
+    VkPhysicalDeviceGroupProperties properties[FAKE_ICD_MAX_GPUS];
+    groups = groups < FAKE_ICD_MAX_GPUS ? groups : FAKE_ICD_MAX_GPUS;
+    for (uint32_t i = 0; i < groups; i++) {
+        properties[i] = (VkPhysicalDeviceGroupProperties){.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_GROUP_PROPERTIES};
+    }
+    result = vkEnumeratePhysicalDeviceGroups(instance, &groups, properties);
+    CHECK(result == VK_SUCCESS, "vkEnumeratePhysicalDeviceGroups: %d", result);
+    for (uint32_t i = 0; i < groups; i++) {
+        CHECK(properties[i].physicalDeviceCount == 1, "group %u has %u GPUs", i, properties[i].physicalDeviceCount);
+        int found = 0;
+        for (uint32_t j = 0; j < count; j++) {
+            found += properties[i].physicalDevices[0] == gpus[j];
+        }
+        CHECK(found == 1, "group %u holds a GPU that was not enumerated", i);
+    }
+}
+
+static VkDevice device_with_budget(VkPhysicalDevice physical)
+{
+    const char *extensions[] = {VK_EXT_MEMORY_BUDGET_EXTENSION_NAME};
+    return make_device(physical, extensions, 1);
+}
+
+/* No slice applies (none, one that does not parse, whole GPUs): two discrete GPUs, each exactly as the driver
+ * describes it, and every allocation the driver would serve served; what is refused, the driver refused. */
+static void fake_pass_through(void)
+{
+    bool native = driver_budget();
+    VkDeviceSize elsewhere = setting_size("FAKE_ICD_ELSEWHERE");
+    VkInstance instance = make_instance();
+    VkPhysicalDevice gpus[FAKE_ICD_MAX_GPUS];
+    uint32_t count = all_gpus(instance, gpus, FAKE_ICD_MAX_GPUS);
+    CHECK(count == 2, "%u GPUs enumerated, not both", count);
+    expect_groups(instance, gpus, count);
+    bool seen[2] = {false, false};
+    for (uint32_t i = 0; i < count; i++) {
+        struct view view = look(gpus[i]);
+        if (view.gpu < 0 || view.gpu > 1) {
+            continue;
+        }
+        CHECK(!seen[view.gpu], "GPU %d enumerated twice", view.gpu);
+        seen[view.gpu] = true;
+        CHECK(view.properties.vendorID == 0x1234 && view.properties.deviceID == 0x5678, "ids %x:%x",
+              view.properties.vendorID, view.properties.deviceID);
+        CHECK(view.properties.deviceType == VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU, "type %d",
+              view.properties.deviceType);
+        CHECK(view.pci_listed && view.pci.pciDomain == 0 && view.pci.pciBus == 3u + (uint32_t)view.gpu &&
+                  view.pci.pciDevice == 0 && view.pci.pciFunction == 0,
+              "GPU %d at %04x:%02x:%02x.%x", view.gpu, view.pci.pciDomain, view.pci.pciBus, view.pci.pciDevice,
+              view.pci.pciFunction);
+        CHECK(view.memory.memoryHeapCount == 2 && view.memory.memoryTypeCount == 2, "%u heaps, %u types",
+              view.memory.memoryHeapCount, view.memory.memoryTypeCount);
+        CHECK(view.memory.memoryHeaps[0].flags == VK_MEMORY_HEAP_DEVICE_LOCAL_BIT &&
+                  view.memory.memoryHeaps[1].flags == 0,
+              "heap flags %x and %x", view.memory.memoryHeaps[0].flags, view.memory.memoryHeaps[1].flags);
+        /* The driver's own budget where it has one; where it has none, as a driver that knows nothing more. */
+        expect_heap(&view, 0, 8 * GIB, native ? 8 * GIB - elsewhere : 8 * GIB, 0);
+        expect_heap(&view, 1, 16 * GIB, native ? 16 * GIB - elsewhere : 16 * GIB, 0);
+        expect_limits(&view, 16 * GIB);
+    }
+    for (uint32_t i = 0; i < count; i++) {
+        struct view view = look(gpus[i]);
+        if (view.gpu < 0) {
+            continue;
+        }
+        uint32_t gpu = (uint32_t)view.gpu;
+        VkDevice device = device_with_budget(gpus[i]);
+        struct fake_icd_stats before = driver_saw(gpu);
+        /* The driver's extension is the driver's: enabled on it where it has it, never where it has not. */
+        CHECK(before.devices == 1 && before.budget_enabled == (native ? 1u : 0u),
+              "GPU %u: %llu devices, %llu with VK_EXT_memory_budget", gpu, (unsigned long long)before.devices,
+              (unsigned long long)before.budget_enabled);
+        VkDeviceMemory held[16], host[2] = {VK_NULL_HANDLE, VK_NULL_HANDLE};
+        VkResult refusal;
+        VkDeviceSize obtained = fill_in(device, 0, GIB, &refusal, held, 16);
+        CHECK(obtained == 8 * GIB && refusal == VK_ERROR_OUT_OF_DEVICE_MEMORY,
+              "GPU %u: %llu MiB of the device heap's 8 GiB, then %d", gpu, (unsigned long long)(obtained / MIB),
+              refusal);
+        VkResult result = allocate_in(device, 1, 16 * GIB, NULL, &host[0]);
+        CHECK(result == VK_SUCCESS, "GPU %u: the whole host heap: %d", gpu, result);
+        result = allocate_in(device, 1, 1, NULL, &host[1]);
+        CHECK(result == VK_ERROR_OUT_OF_HOST_MEMORY, "GPU %u: a byte past the host heap: %d", gpu, result);
+        struct fake_icd_stats after = driver_saw(gpu);
+        /* Eight chunks and the ninth, the host heap and the byte past it: all reached the driver, which refused
+         * the two it had no room for. */
+        CHECK(after.allocations - before.allocations == 11 && after.refusals - before.refusals == 2,
+              "GPU %u: %llu allocations reached the driver, %llu refused by it", gpu,
+              (unsigned long long)(after.allocations - before.allocations),
+              (unsigned long long)(after.refusals - before.refusals));
+        struct view full = look(gpus[i]);
+        expect_heap(&full, 0, 8 * GIB, native ? 8 * GIB - elsewhere : 8 * GIB, native ? 8 * GIB : 0);
+        expect_heap(&full, 1, 16 * GIB, native ? 16 * GIB - elsewhere : 16 * GIB, native ? 16 * GIB : 0);
+        free_held(device, held, 16);
+        vkFreeMemory(device, host[0], NULL);
+        vkDestroyDevice(device, NULL);
+    }
+    CHECK(count != 2 || (seen[0] && seen[1]), "not both GPUs seen");
+    driver_clean(2);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* A driver with its own VK_EXT_memory_budget, under a slice: the heap and the budget are the slice's, never more
+ * than the driver's budget; usage is what this process holds; the host heap of a discrete GPU is the driver's. */
+static void fake_own_budget(void)
+{
+    const VkDeviceSize slice = SLICE_MIB * MIB, heap = GIB, host_heap = 4 * GIB;
+    VkDeviceSize elsewhere = setting_size("FAKE_ICD_ELSEWHERE");
+    VkDeviceSize driver = heap - elsewhere;
+    VkDeviceSize expected = slice < driver ? slice : driver;
+    VkInstance instance = make_instance();
+    VkPhysicalDevice physical = first_gpu(instance);
+    struct view view = look(physical);
+    expect_heap(&view, 0, slice, expected, 0);
+    expect_heap(&view, 1, host_heap, host_heap - elsewhere, 0);
+    expect_limits(&view, slice);
+
+    VkDevice device = device_with_budget(physical);
+    struct fake_icd_stats saw = driver_saw(0);
+    CHECK(saw.budget_enabled == 1, "the driver's VK_EXT_memory_budget was not enabled on it");
+    VkDeviceMemory first, host;
+    CHECK(allocate_in(device, 0, 64 * MIB, NULL, &first) == VK_SUCCESS, "64 MiB of the device heap");
+    CHECK(allocate_in(device, 1, 32 * MIB, NULL, &host) == VK_SUCCESS, "32 MiB of the host heap");
+    view = look(physical);
+    expect_heap(&view, 0, slice, expected, 64 * MIB);
+    expect_heap(&view, 1, host_heap, host_heap - elsewhere, 32 * MIB);
+    saw = driver_saw(0);
+    CHECK(saw.in_use[0] == 64 * MIB && saw.in_use[1] == 32 * MIB, "the driver holds %llu and %llu MiB",
+          (unsigned long long)(saw.in_use[0] / MIB), (unsigned long long)(saw.in_use[1] / MIB));
+
+    /* To the slice's edge: whatever the driver's budget, the slice's memory is obtained, and no more. */
+    VkDeviceMemory held[16];
+    VkResult refusal;
+    VkDeviceSize obtained = fill_in(device, 0, 64 * MIB, &refusal, held, 16);
+    CHECK(obtained == slice - 64 * MIB && refusal == VK_ERROR_OUT_OF_DEVICE_MEMORY, "%llu MiB more, then %d",
+          (unsigned long long)(obtained / MIB), refusal);
+    saw = driver_saw(0);
+    CHECK(saw.allocations == 2 + (slice - 64 * MIB) / (64 * MIB) && saw.refusals == 0,
+          "%llu allocations reached the driver, %llu refused by it: the layer's refusal went down",
+          (unsigned long long)saw.allocations, (unsigned long long)saw.refusals);
+    view = look(physical);
+    expect_heap(&view, 0, slice, expected, slice);
+    free_held(device, held, 16);
+    vkFreeMemory(device, first, NULL);
+    vkFreeMemory(device, host, NULL);
+    view = look(physical);
+    expect_heap(&view, 0, slice, expected, 0);
+    expect_heap(&view, 1, host_heap, host_heap - elsewhere, 0);
+    vkDestroyDevice(device, NULL);
+    driver_clean(1);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* A discrete GPU with a device-local heap, a resizable BAR beside it and a host heap, under a 1 GiB slice: the
+ * device-local heaps count (one budget for both), the host heap is the driver's. The driver never sees an
+ * allocation the layer refused. */
+static void fake_discrete_slice(void)
+{
+    const VkDeviceSize slice = GIB, bar = 256 * MIB, host_heap = 16 * GIB;
+    VkInstance instance = make_instance();
+    VkPhysicalDevice physical = first_gpu(instance);
+    struct view view = look(physical);
+    CHECK(view.memory.memoryHeapCount == 3, "%u heaps", view.memory.memoryHeapCount);
+    CHECK(view.memory.memoryHeaps[0].flags == VK_MEMORY_HEAP_DEVICE_LOCAL_BIT &&
+              view.memory.memoryHeaps[1].flags == VK_MEMORY_HEAP_DEVICE_LOCAL_BIT &&
+              view.memory.memoryHeaps[2].flags == 0,
+          "heap flags changed");
+    expect_heap(&view, 0, slice, slice, 0);
+    expect_heap(&view, 1, bar, bar, 0);
+    expect_heap(&view, 2, host_heap, host_heap, 0);
+    expect_limits(&view, slice);
+
+    VkDevice device = device_with_budget(physical);
+    CHECK(driver_saw(0).budget_enabled == 0, "VK_EXT_memory_budget was enabled on a driver without it");
+    VkDeviceMemory memory;
+    VkResult result = allocate_in(device, 0, 2 * slice, NULL, &memory);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "twice the slice at once: %d", result);
+    CHECK(driver_saw(0).allocations == 0, "the driver saw an allocation the layer refused");
+
+    VkDeviceMemory held[16];
+    VkResult refusal;
+    VkDeviceSize obtained = fill_in(device, 0, 128 * MIB, &refusal, held, 16);
+    CHECK(obtained == slice && refusal == VK_ERROR_OUT_OF_DEVICE_MEMORY, "%llu MiB, then %d",
+          (unsigned long long)(obtained / MIB), refusal);
+    result = allocate_in(device, 0, 1, NULL, &memory);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "a byte past the slice: %d", result);
+    result = allocate_in(device, 1, MIB, NULL, &memory);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "1 MiB of the BAR heap with the slice spent: %d", result);
+    struct fake_icd_stats saw = driver_saw(0);
+    CHECK(saw.allocations == 8 && saw.refusals == 0 && saw.in_use[0] == slice,
+          "the driver saw %llu allocations, refused %llu, holds %llu MiB", (unsigned long long)saw.allocations,
+          (unsigned long long)saw.refusals, (unsigned long long)(saw.in_use[0] / MIB));
+    view = look(physical);
+    expect_heap(&view, 0, slice, slice, slice);
+    expect_heap(&view, 1, bar, 0, 0);
+
+    /* The host heap is not the slice's: all of it, and past it the driver's own refusal. */
+    VkDeviceMemory host;
+    result = allocate_in(device, 2, host_heap, NULL, &host);
+    CHECK(result == VK_SUCCESS, "the whole host heap: %d", result);
+    result = allocate_in(device, 2, 1, NULL, &memory);
+    CHECK(result == VK_ERROR_OUT_OF_HOST_MEMORY, "a byte past the host heap: %d", result);
+    saw = driver_saw(0);
+    CHECK(saw.allocations == 10 && saw.refusals == 1, "the driver saw %llu allocations, refused %llu",
+          (unsigned long long)saw.allocations, (unsigned long long)saw.refusals);
+
+    /* What is freed of one device-local heap is the other's to take. */
+    vkFreeMemory(device, held[0], NULL);
+    held[0] = held[7];
+    held[7] = VK_NULL_HANDLE;
+    result = allocate_in(device, 1, 128 * MIB, NULL, &memory);
+    CHECK(result == VK_SUCCESS, "128 MiB of the BAR heap after 128 MiB was freed: %d", result);
+    view = look(physical);
+    expect_heap(&view, 0, slice, slice - 128 * MIB, slice - 128 * MIB);
+    expect_heap(&view, 1, bar, 128 * MIB, 128 * MIB);
+    if (result == VK_SUCCESS) {
+        vkFreeMemory(device, memory, NULL);
+    }
+    free_held(device, held, 16);
+    vkFreeMemory(device, host, NULL);
+    view = look(physical);
+    expect_heap(&view, 0, slice, slice, 0);
+    expect_heap(&view, 1, bar, bar, 0);
+    vkDestroyDevice(device, NULL);
+    driver_clean(1);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* An integrated GPU, whose heaps are all the same memory: every heap counts, their sizes shared out so that
+ * together they are the slice (4 GiB and 8 GiB under 768 MiB: 256 and 512 MiB), one budget for all of them. */
+static void fake_integrated_slice(void)
+{
+    const VkDeviceSize slice = 768 * MIB;
+    VkInstance instance = make_instance();
+    VkPhysicalDevice physical = first_gpu(instance);
+    struct view view = look(physical);
+    CHECK(view.properties.deviceType == VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU, "type %d",
+          view.properties.deviceType);
+    expect_heap(&view, 0, 256 * MIB, 256 * MIB, 0);
+    expect_heap(&view, 1, 512 * MIB, 512 * MIB, 0);
+    expect_limits(&view, slice);
+    VkDevice device = make_device(physical, NULL, 0);
+    VkDeviceMemory device_local, host, memory;
+    CHECK(allocate_in(device, 0, 256 * MIB, NULL, &device_local) == VK_SUCCESS, "256 MiB of heap 0");
+    CHECK(allocate_in(device, 1, 512 * MIB, NULL, &host) == VK_SUCCESS, "512 MiB of heap 1");
+    VkResult result = allocate_in(device, 1, MIB, NULL, &memory);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "1 MiB of the host heap past the slice: %d", result);
+    result = allocate_in(device, 0, MIB, NULL, &memory);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "1 MiB of the device heap past the slice: %d", result);
+    struct fake_icd_stats saw = driver_saw(0);
+    CHECK(saw.allocations == 2 && saw.refusals == 0, "the driver saw %llu allocations, refused %llu",
+          (unsigned long long)saw.allocations, (unsigned long long)saw.refusals);
+    view = look(physical);
+    expect_heap(&view, 0, 256 * MIB, 256 * MIB, 256 * MIB);
+    expect_heap(&view, 1, 512 * MIB, 512 * MIB, 512 * MIB);
+    vkFreeMemory(device, device_local, NULL);
+    vkFreeMemory(device, host, NULL);
+    vkDestroyDevice(device, NULL);
+    driver_clean(1);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* Three discrete GPUs (8 GiB device-local, 16 GiB host; a driver budget 2 GiB short of each) and a slice config:
+ * what it names is seen and held to its slice, what it names whole is seen as the driver describes it, what it
+ * does not name is not seen at all. */
+#define GPUS 3
+
+struct gpus_case {
+    const char *name;
+    const char *slices;
+    bool pci;                /* the driver has VK_EXT_pci_bus_info (0000:03:00.0, 04 and 05) */
+    long long budget[GPUS];  /* per GPU: -1 not seen, 0 whole (seen, not held), else its slice */
+    bool one_slice;          /* any=: one slice, so one budget, for every GPU */
+};
+static const struct gpus_case gpus_cases[] = {
+    {"gpus-one-by-pci", "pci:0000:04:00.0=1073741824", true, {-1, 1073741824, -1}, false},
+    {"gpus-pci-and-whole", "pci:0000:03:00.0=1073741824,pci:0000:05:00.0=0", true, {1073741824, -1, 0}, false},
+    {"gpus-two-slices", "pci:0000:05:00.0=536870912,pci:0000:03:00.0=1073741824", true,
+     {1073741824, -1, 536870912}, false},
+    {"gpus-by-uuid", "uuid:GPU-fa1ce000-0000-4000-8000-000000000001=1073741824", true, {-1, 1073741824, -1}, false},
+    /* Without the driver's PCI addresses a PCI selector names nothing; a UUID still does. */
+    {"gpus-no-pci-info", "pci:0000:03:00.0=1073741824,uuid:fa1ce000000040008000000000000002=536870912", false,
+     {-1, -1, 536870912}, false},
+    {"gpus-any", "any=1073741824", true, {1073741824, 1073741824, 1073741824}, true},
+    {"gpus-none-named", "pci:0000:09:00.0=1073741824", true, {-1, -1, -1}, false},
+};
+
+static const struct gpus_case *gpus_case;
+
+/* A setting the fake driver cannot parse: no GPU comes of it. */
+static void fake_refuses_typos(void)
+{
+    VkApplicationInfo application = {.sType = VK_STRUCTURE_TYPE_APPLICATION_INFO, .apiVersion = VK_API_VERSION_1_1};
+    VkInstanceCreateInfo info = {.sType = VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO, .pApplicationInfo = &application};
+    VkInstance instance = VK_NULL_HANDLE;
+    VkResult result = vkCreateInstance(&info, NULL, &instance);
+    CHECK(result == VK_ERROR_INCOMPATIBLE_DRIVER, "vkCreateInstance: %d", result);
+    if (result == VK_SUCCESS) {
+        vkDestroyInstance(instance, NULL);
+    }
+}
+
+static void several_gpus(void)
+{
+    const struct gpus_case *c = gpus_case;
+    const VkDeviceSize heap = 8 * GIB, host_heap = 16 * GIB, elsewhere = 2 * GIB;
+    VkInstance instance = make_instance();
+    VkPhysicalDevice gpus[FAKE_ICD_MAX_GPUS];
+    uint32_t count = all_gpus(instance, gpus, FAKE_ICD_MAX_GPUS);
+    uint32_t expected = 0;
+    for (int gpu = 0; gpu < GPUS; gpu++) {
+        expected += c->budget[gpu] >= 0;
+    }
+    CHECK(count == expected, "%u GPUs seen, not %u", count, expected);
+    expect_groups(instance, gpus, count);
+    VkPhysicalDevice of[GPUS] = {VK_NULL_HANDLE, VK_NULL_HANDLE, VK_NULL_HANDLE};
+    for (uint32_t i = 0; i < count; i++) {
+        struct view view = look(gpus[i]);
+        if (view.gpu < 0 || view.gpu >= GPUS) {
+            continue;
+        }
+        long long budget = c->budget[view.gpu];
+        CHECK(budget >= 0, "GPU %d is seen: the config does not name it", view.gpu);
+        CHECK(of[view.gpu] == VK_NULL_HANDLE, "GPU %d seen twice", view.gpu);
+        of[view.gpu] = gpus[i];
+        CHECK(view.pci_listed == c->pci, "VK_EXT_pci_bus_info %s", view.pci_listed ? "listed" : "not listed");
+        if (c->pci) {
+            CHECK(view.pci.pciBus == 3u + (uint32_t)view.gpu, "GPU %d on bus %x", view.gpu, view.pci.pciBus);
+        }
+        VkDeviceSize slice = (VkDeviceSize)budget;
+        if (budget > 0) {
+            expect_heap(&view, 0, slice < heap ? slice : heap, slice < heap - elsewhere ? slice : heap - elsewhere, 0);
+            expect_limits(&view, slice);
+        } else {
+            expect_heap(&view, 0, heap, heap - elsewhere, 0);
+            expect_limits(&view, host_heap);
+        }
+        expect_heap(&view, 1, host_heap, host_heap - elsewhere, 0);
+    }
+
+    /* Each seen GPU filled in turn, the others' memory still held: each stops at its own slice (at the driver's
+     * own refusal where whole), the slices of any= together at their one budget. */
+    VkDevice devices[GPUS] = {VK_NULL_HANDLE, VK_NULL_HANDLE, VK_NULL_HANDLE};
+    VkDeviceMemory held[GPUS][64];
+    memset(held, 0, sizeof held);
+    VkDeviceSize spent = 0;
+    for (uint32_t gpu = 0; gpu < GPUS; gpu++) {
+        if (of[gpu] == VK_NULL_HANDLE) {
+            continue;
+        }
+        devices[gpu] = make_device(of[gpu], NULL, 0);
+        struct fake_icd_stats before = driver_saw(gpu);
+        VkResult refusal;
+        VkDeviceSize obtained = fill_in(devices[gpu], 0, 256 * MIB, &refusal, held[gpu], 64);
+        VkDeviceSize want = c->budget[gpu] == 0 ? heap
+                            : c->one_slice       ? (VkDeviceSize)c->budget[gpu] - spent
+                                                 : (VkDeviceSize)c->budget[gpu];
+        spent += obtained;
+        CHECK(obtained == want && refusal == VK_ERROR_OUT_OF_DEVICE_MEMORY, "GPU %u: %llu MiB, not %llu, then %d",
+              gpu, (unsigned long long)(obtained / MIB), (unsigned long long)(want / MIB), refusal);
+        struct fake_icd_stats after = driver_saw(gpu);
+        uint64_t driver_refused = c->budget[gpu] == 0 ? 1 : 0;
+        CHECK(after.allocations - before.allocations == want / (256 * MIB) + driver_refused &&
+                  after.refusals - before.refusals == driver_refused,
+              "GPU %u: %llu allocations reached the driver, %llu refused by it", gpu,
+              (unsigned long long)(after.allocations - before.allocations),
+              (unsigned long long)(after.refusals - before.refusals));
+    }
+    if (c->one_slice && count > 1) {
+        /* What one GPU gives back of the one budget, another may take. */
+        uint32_t first = 0, last = GPUS - 1;
+        free_held(devices[first], held[first], 64);
+        VkResult refusal;
+        VkDeviceSize obtained = fill_in(devices[last], 0, 256 * MIB, &refusal, held[last], 64);
+        CHECK(obtained == (VkDeviceSize)c->budget[first] && refusal == VK_ERROR_OUT_OF_DEVICE_MEMORY,
+              "GPU %u: %llu MiB after GPU %u gave its memory back", last, (unsigned long long)(obtained / MIB),
+              first);
+    }
+    for (uint32_t gpu = 0; gpu < GPUS; gpu++) {
+        if (devices[gpu] != VK_NULL_HANDLE) {
+            free_held(devices[gpu], held[gpu], 64);
+            vkDestroyDevice(devices[gpu], NULL);
+        }
+        struct fake_icd_stats saw = driver_saw(gpu);
+        CHECK(of[gpu] != VK_NULL_HANDLE || (saw.devices == 0 && saw.allocations == 0),
+              "GPU %u is not seen, and the driver made %llu devices and saw %llu allocations on it", gpu,
+              (unsigned long long)saw.devices, (unsigned long long)saw.allocations);
+    }
+    driver_clean(GPUS);
+    vkDestroyInstance(instance, NULL);
+}
+
 /* -- running them ---------------------------------------------------------------------------------------------- */
 
 struct scenario {
@@ -348,6 +943,9 @@ static const struct scenario scenarios[] = {
     {"pass-through-budget", pass_through_budget}, {"slice-edge", slice_edge},
     {"exported-memory", exported_memory},     {"hold", hold},
     {"budget-after-kills", budget_after_kills}, {"throttled-submits", throttled_submits},
+    {"fake-pass-through", fake_pass_through}, {"fake-own-budget", fake_own_budget},
+    {"fake-discrete-slice", fake_discrete_slice}, {"fake-integrated-slice", fake_integrated_slice},
+    {"fake-refuses-typos", fake_refuses_typos},
 };
 
 static char accounting_dir[] = "/tmp/gpuppetti-harness-XXXXXX";
@@ -372,8 +970,19 @@ static void make_accounting(void)
     close(fd);
 }
 
-/* Start one scenario in a process of its own with these settings. */
-static pid_t start(const char *self, const char *name, const char *slices, const char *compute, bool accounting)
+/* The driver a scenario runs on: lavapipe, or the fake driver with its settings. */
+struct driver {
+    const char *manifest;     /* the ICD manifest the loader is given */
+    const char *settings[8];  /* the fake driver's, NAME=VALUE, up to a NULL */
+};
+
+static const char *const fake_settings[] = {"FAKE_ICD_GPUS", "FAKE_ICD_TYPE", "FAKE_ICD_HEAPS", "FAKE_ICD_BUDGET",
+                                            "FAKE_ICD_ELSEWHERE", "FAKE_ICD_PCI", "FAKE_ICD_VENDOR",
+                                            "FAKE_ICD_DEVICE"};
+
+/* Start one scenario in a process of its own with these settings, on that driver. */
+static pid_t start(const char *self, const char *name, const char *slices, const char *compute, bool accounting,
+                   const struct driver *driver)
 {
     fflush(stdout);
     pid_t child = fork();
@@ -384,22 +993,62 @@ static pid_t start(const char *self, const char *name, const char *slices, const
         if (slices != NULL) setenv("GPUPPETTI_VK_SLICES", slices, 1);
         if (compute != NULL) setenv("GPUPPETTI_VK_COMPUTE", compute, 1);
         if (accounting) setenv("GPUPPETTI_VK_ACCOUNTING", accounting_dir, 1);
+        /* That driver and no other: VK_DRIVER_FILES for a newer loader, VK_ICD_FILENAMES for an older one. */
+        setenv("VK_DRIVER_FILES", driver->manifest, 1);
+        setenv("VK_ICD_FILENAMES", driver->manifest, 1);
+        unsetenv("VK_ADD_DRIVER_FILES");
+        for (size_t i = 0; i < sizeof fake_settings / sizeof *fake_settings; i++) {
+            unsetenv(fake_settings[i]);
+        }
+        for (int i = 0; i < 8 && driver->settings[i] != NULL; i++) {
+            char setting[256];
+            snprintf(setting, sizeof setting, "%s", driver->settings[i]);
+            char *equals = strchr(setting, '=');
+            if (equals != NULL) {
+                *equals = '\0';
+                setenv(setting, equals + 1, 1);
+            }
+        }
         execl(self, self, name, (char *)NULL);
         _exit(127);
     }
     return child;
 }
 
+/* What a report line says of the driver: lavapipe, or the fake driver's settings. */
+static void describe(const struct driver *driver, char *out, size_t size)
+{
+    if (driver->settings[0] == NULL) {
+        snprintf(out, size, "lavapipe");
+        return;
+    }
+    size_t used = (size_t)snprintf(out, size, "fake:");
+    for (int i = 0; i < 8 && driver->settings[i] != NULL && used < size; i++) {
+        const char *setting = driver->settings[i];
+        if (strncmp(setting, "FAKE_ICD_", 9) == 0) {
+            setting += 9;
+        }
+        used += (size_t)snprintf(out + used, size - used, " %s", setting);
+    }
+}
+
+static void report(const char *name, const char *slices, const struct driver *driver, bool ok)
+{
+    char described[512];
+    describe(driver, described, sizeof described);
+    printf("%-22s %-56s %-6s %s\n", name, slices != NULL ? slices : "(no slice)", ok ? "ok" : "FAILED", described);
+}
+
 /* Run one scenario in a process of its own with these settings; whether it ended as expected. */
 static bool run(const char *self, const char *name, const char *slices, const char *compute, bool accounting,
-                int expect_signal)
+                int expect_signal, const struct driver *driver)
 {
-    pid_t child = start(self, name, slices, compute, accounting);
+    pid_t child = start(self, name, slices, compute, accounting, driver);
     int status = 0;
     waitpid(child, &status, 0);
     bool ok = expect_signal != 0 ? WIFSIGNALED(status) && WTERMSIG(status) == expect_signal
                                  : WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    printf("%-22s %-40s %s\n", name, slices != NULL ? slices : "(no slice)", ok ? "ok" : "FAILED");
+    report(name, slices, driver, ok);
     if (!ok && WIFSIGNALED(status)) {
         printf("    killed by signal %d\n", WTERMSIG(status));
     }
@@ -407,11 +1056,11 @@ static bool run(const char *self, const char *name, const char *slices, const ch
 }
 
 /* Two processes hold 100 MiB each of one slice, and are SIGKILLed. */
-static bool killed_holders(const char *self, const char *slice)
+static bool killed_holders(const char *self, const char *slice, const struct driver *driver)
 {
     pid_t holders[2];
     for (int i = 0; i < 2; i++) {
-        holders[i] = start(self, "hold", slice, NULL, true);
+        holders[i] = start(self, "hold", slice, NULL, true, driver);
     }
     char path[sizeof accounting_dir + 32];
     snprintf(path, sizeof path, "%s/slice-0.acct", accounting_dir);
@@ -429,7 +1078,76 @@ static bool killed_holders(const char *self, const char *slice)
         kill(holders[i], SIGKILL);
         waitpid(holders[i], NULL, 0);
     }
-    printf("%-22s %-40s %s\n", "hold (two, SIGKILLed)", slice, ok ? "ok" : "FAILED");
+    report("hold (two, SIGKILLed)", slice, driver, ok);
+    return ok;
+}
+
+static bool on_lavapipe(const char *self, const char *manifest)
+{
+    const struct driver lavapipe = {.manifest = manifest};
+    char slice[64];
+    snprintf(slice, sizeof slice, "any=%llu", (unsigned long long)(SLICE_MIB * MIB));
+    bool ok = true;
+    ok &= run(self, "many-instances", NULL, NULL, false, 0, &lavapipe);
+    ok &= run(self, "many-instances", slice, NULL, false, 0, &lavapipe);
+    ok &= run(self, "many-devices", NULL, NULL, false, 0, &lavapipe);
+    ok &= run(self, "many-devices", slice, NULL, true, 0, &lavapipe);
+    ok &= run(self, "pass-through-budget", NULL, NULL, false, 0, &lavapipe);
+    ok &= run(self, "pass-through-budget", "not a slice", NULL, false, 0, &lavapipe);
+    ok &= run(self, "slice-edge", slice, NULL, true, 0, &lavapipe);
+    ok &= run(self, "slice-edge", slice, NULL, false, 0, &lavapipe);
+    ok &= run(self, "exported-memory", slice, NULL, false, 0, &lavapipe);
+    ok &= killed_holders(self, slice, &lavapipe);
+    ok &= run(self, "budget-after-kills", slice, NULL, true, 0, &lavapipe);
+    ok &= run(self, "throttled-submits", slice, "250", true, 0, &lavapipe);
+    return ok;
+}
+
+static bool on_the_fake_driver(const char *self, const char *manifest)
+{
+#define PCI2 "FAKE_ICD_PCI=0000:03:00.0,0000:04:00.0"
+#define PCI3 "FAKE_ICD_PCI=0000:03:00.0,0000:04:00.0,0000:05:00.0"
+#define IDS "FAKE_ICD_VENDOR=0x1234", "FAKE_ICD_DEVICE=0x5678"
+    const struct driver two = {manifest, {"FAKE_ICD_GPUS=2", "FAKE_ICD_HEAPS=device:8G,host:16G", PCI2, IDS}};
+    const struct driver two_budget = {manifest, {"FAKE_ICD_GPUS=2", "FAKE_ICD_HEAPS=device:8G,host:16G", PCI2, IDS,
+                                                 "FAKE_ICD_BUDGET=1", "FAKE_ICD_ELSEWHERE=1G"}};
+    const struct driver roomy = {manifest, {"FAKE_ICD_HEAPS=device:1G,host:4G", "FAKE_ICD_BUDGET=1"}};
+    const struct driver crowded = {manifest, {"FAKE_ICD_HEAPS=device:1G,host:4G", "FAKE_ICD_BUDGET=1",
+                                              "FAKE_ICD_ELSEWHERE=896M"}};
+    const struct driver discrete = {manifest, {"FAKE_ICD_HEAPS=device:8G,bar:256M,host:16G"}};
+    const struct driver integrated = {manifest, {"FAKE_ICD_TYPE=integrated", "FAKE_ICD_HEAPS=device:4G,host:8G"}};
+    const struct driver three = {manifest, {"FAKE_ICD_GPUS=3", "FAKE_ICD_HEAPS=device:8G,host:16G", "FAKE_ICD_BUDGET=1",
+                                            "FAKE_ICD_ELSEWHERE=2G", PCI3}};
+    const struct driver three_no_pci = {manifest, {"FAKE_ICD_GPUS=3", "FAKE_ICD_HEAPS=device:8G,host:16G",
+                                                   "FAKE_ICD_BUDGET=1", "FAKE_ICD_ELSEWHERE=2G"}};
+#undef PCI2
+#undef PCI3
+#undef IDS
+    char slice[64];
+    snprintf(slice, sizeof slice, "any=%llu", (unsigned long long)(SLICE_MIB * MIB));
+    const char *whole = "pci:0000:03:00.0=0,pci:0000:04:00.0=0";
+    bool ok = true;
+    /* No slice applies: none, one that does not parse, whole GPUs (any=0, or each named with 0). */
+    const char *no_slice[] = {NULL, "not a slice", "any=0", whole};
+    for (size_t i = 0; i < sizeof no_slice / sizeof *no_slice; i++) {
+        ok &= run(self, "fake-pass-through", no_slice[i], NULL, false, 0, &two);
+        ok &= run(self, "fake-pass-through", no_slice[i], NULL, false, 0, &two_budget);
+    }
+    /* The driver's budget above the slice's, and below it. */
+    ok &= run(self, "fake-own-budget", slice, NULL, false, 0, &roomy);
+    ok &= run(self, "fake-own-budget", slice, NULL, true, 0, &roomy);
+    ok &= run(self, "fake-own-budget", slice, NULL, false, 0, &crowded);
+    ok &= run(self, "fake-discrete-slice", "any=1073741824", NULL, false, 0, &discrete);
+    ok &= run(self, "fake-discrete-slice", "any=1073741824", NULL, true, 0, &discrete);
+    ok &= run(self, "fake-integrated-slice", "any=805306368", NULL, false, 0, &integrated);
+    for (size_t i = 0; i < sizeof gpus_cases / sizeof *gpus_cases; i++) {
+        ok &= run(self, gpus_cases[i].name, gpus_cases[i].slices, NULL, false, 0,
+                  gpus_cases[i].pci ? &three : &three_no_pci);
+    }
+    /* A configuration the fake driver cannot parse fails instance creation: its scenarios cannot pass by
+     * testing something else. */
+    const struct driver typo = {manifest, {"FAKE_ICD_HEAPS=device:8Q"}};
+    ok &= run(self, "fake-refuses-typos", NULL, NULL, false, 0, &typo);
     return ok;
 }
 
@@ -443,29 +1161,33 @@ int main(int argc, char **argv)
                 return failures == 0 ? 0 : 1;
             }
         }
+        for (size_t i = 0; i < sizeof gpus_cases / sizeof *gpus_cases; i++) {
+            if (strcmp(argv[1], gpus_cases[i].name) == 0) {
+                scenario_name = gpus_cases[i].name;
+                gpus_case = &gpus_cases[i];
+                several_gpus();
+                return failures == 0 ? 0 : 1;
+            }
+        }
         fprintf(stderr, "harness: no scenario %s\n", argv[1]);
         return 2;
+    }
+    const char *lavapipe = getenv("HARNESS_LAVAPIPE");
+    const char *fake = getenv("HARNESS_FAKE_ICD");
+    if (fake == NULL || *fake == '\0' || getenv("HARNESS_FAKE_ICD_LIBRARY") == NULL) {
+        fprintf(stderr, "harness: HARNESS_FAKE_ICD and HARNESS_FAKE_ICD_LIBRARY are not set (make check sets them)\n");
+        return 1;
     }
     if (mkdtemp(accounting_dir) == NULL) {
         perror("harness: mkdtemp");
         return 1;
     }
     make_accounting();
-    char slice[64];
-    snprintf(slice, sizeof slice, "any=%llu", (unsigned long long)(SLICE_MIB * MIB));
     bool ok = true;
-    ok &= run(argv[0], "many-instances", NULL, NULL, false, 0);
-    ok &= run(argv[0], "many-instances", slice, NULL, false, 0);
-    ok &= run(argv[0], "many-devices", NULL, NULL, false, 0);
-    ok &= run(argv[0], "many-devices", slice, NULL, true, 0);
-    ok &= run(argv[0], "pass-through-budget", NULL, NULL, false, 0);
-    ok &= run(argv[0], "pass-through-budget", "not a slice", NULL, false, 0);
-    ok &= run(argv[0], "slice-edge", slice, NULL, true, 0);
-    ok &= run(argv[0], "slice-edge", slice, NULL, false, 0);
-    ok &= run(argv[0], "exported-memory", slice, NULL, false, 0);
-    ok &= killed_holders(argv[0], slice);
-    ok &= run(argv[0], "budget-after-kills", slice, NULL, true, 0);
-    ok &= run(argv[0], "throttled-submits", slice, "250", true, 0);
+    if (lavapipe != NULL && *lavapipe != '\0') {
+        ok &= on_lavapipe(argv[0], lavapipe);
+    }
+    ok &= on_the_fake_driver(argv[0], fake);
     char path[sizeof accounting_dir + 32];
     snprintf(path, sizeof path, "%s/slice-0.acct", accounting_dir);
     unlink(path);
