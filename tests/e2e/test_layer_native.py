@@ -1,6 +1,7 @@
 """The Vulkan layer tested in C: `make check` (the layer and a harness built with AddressSanitizer and UBSan, the
-layer installed as an implicit layer, driven through the real loader on lavapipe) and `make fuzz` (its parsers of
-GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE and the accounting file, for a bounded time)."""
+layer installed as an implicit layer, driven through the real loader on lavapipe and on a fake driver whose GPUs,
+heaps and budgets each scenario sets) and `make fuzz` (its parsers of GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE and
+the accounting file, for a bounded time)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,33 @@ def make(target: str, out: Path, *extra: str, timeout: float) -> subprocess.Comp
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def test_the_sanitized_layer_passes_every_scenario_on_lavapipe(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def check_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build for both runs of `make check`."""
+    return tmp_path_factory.mktemp("layer-check")
+
+
+@pytest.mark.timeout(300)
+def test_the_sanitized_layer_passes_every_scenario_on_lavapipe(check_out: Path) -> None:
     reason = why_not_here(lavapipe=True)
     if reason is not None:
         pytest.skip(f"the layer's C harness cannot run: {reason}")
-    result = make("check", tmp_path, timeout=300)
+    result = make("check", check_out, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "every scenario passed" in result.stdout
+    assert "FAILED" not in result.stdout
+    assert " lavapipe\n" in result.stdout and " fake: " in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_without_lavapipe_the_fake_drivers_scenarios_run_alone(check_out: Path) -> None:
+    reason = why_not_here(lavapipe=False)
+    if reason is not None:
+        pytest.skip(f"the layer's C harness cannot be built here: {reason}")
+    result = make("check", check_out, "LAVAPIPE=", timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "lavapipe's scenarios skipped" in result.stdout
+    assert " lavapipe\n" not in result.stdout and " fake: " in result.stdout
     assert "every scenario passed" in result.stdout
     assert "FAILED" not in result.stdout
 
