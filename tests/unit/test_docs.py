@@ -12,6 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from bench.scale import build_parser as scale_bench_parser
 from gpuppetti.cli.parser import build_parser
 from gpuppetti.config import Config, ConfigError, parse_config
 from gpuppetti.dra import opaque
@@ -28,9 +29,11 @@ ALL_FLAGS = set().union(*COMMAND_FLAGS.values())
 # Flags of other tools that the guides show, next to gpuppetti's.
 OTHER_TOOLS_FLAGS = {"--driver", "--name", "--namespace", "--for", "--timeout", "--from-file", "--mode",
                      "--vm-type", "--root-dir", "--version", "--help", "--overwrite", "--summary", "--json",
-                     "--idle-seconds", "--calls", "--only", "--image", "--config", "--grace-period", "--force"}
+                     "--idle-seconds", "--calls", "--only", "--image", "--config", "--grace-period", "--force",
+                     "--kube-api-qps", "--kube-api-burst", "--max-requests-inflight",
+                     *(s for action in scale_bench_parser()._actions for s in action.option_strings)}
 # Files the commands write, named as their output.
-WRITTEN_BY_COMMANDS = {"bench/results.json"}
+WRITTEN_BY_COMMANDS = {"bench/results.json", "bench/scale-results.json"}
 # Keys the migration guide names because gpuppetti does not have them.
 NOT_OURS = {"sharing.mps", "flags.plugin.deviceListStrategy"}
 REPO_PATH = re.compile(r"(?<![\w/.~-])((?:src|tests|docs|deploy|bench|tools|\.ci)/[\w./-]*)")
