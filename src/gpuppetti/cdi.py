@@ -46,33 +46,28 @@ def render_edits(edits: ContainerEdits) -> dict[str, Any]:
 
 def minimum_version(spec: dict[str, Any]) -> str:
     """The lowest cdiVersion whose schema admits every field ``spec`` uses."""
-    needed = "0.3.0"
-
-    def need(version: str) -> None:
-        nonlocal needed
-        if VERSIONS.index(version) > VERSIONS.index(needed):
-            needed = version
-
+    needs: list[str] = []
     _, _, cls = str(spec.get("kind", "")).partition("/")
     if "." in cls or spec.get("annotations"):
-        need("0.6.0")
+        needs.append("0.6.0")
     edit_sets = [spec.get("containerEdits") or {}]
     for device in spec.get("devices", []):
         edit_sets.append(device.get("containerEdits") or {})
         if device.get("annotations"):
-            need("0.6.0")
+            needs.append("0.6.0")
         if str(device.get("name", ""))[:1].isdigit():
-            need("0.5.0")
+            needs.append("0.5.0")
     for edits in edit_sets:
-        if any("hostPath" in node for node in edits.get("deviceNodes", [])):
-            need("0.5.0")
-        if any("type" in mount for mount in edits.get("mounts", [])):
-            need("0.4.0")
+        # Checked only where there is something to check: a DRA call builds a thousand specs.
+        if (nodes := edits.get("deviceNodes")) and any("hostPath" in node for node in nodes):
+            needs.append("0.5.0")
+        if (mounts := edits.get("mounts")) and any("type" in mount for mount in mounts):
+            needs.append("0.4.0")
         if "intelRdt" in edits or "additionalGids" in edits:
-            need("0.7.0")
+            needs.append("0.7.0")
         if "netDevices" in edits:
-            need("1.1.0")
-    return needed
+            needs.append("1.1.0")
+    return max(needs, key=VERSIONS.index) if needs else VERSIONS[0]
 
 
 def build_spec(kind: str, devices: Sequence[tuple[str, ContainerEdits]]) -> dict[str, Any]:
@@ -95,9 +90,18 @@ def spec_filename(kind: str, identifier: str | None = None) -> str:
     return f"{spec_prefix(kind)}_{identifier}.json" if identifier else f"{spec_prefix(kind)}.json"
 
 
+# Compact: the C encoder writes it (the indenting one is pure Python). Made once: json.dumps with options builds an
+# encoder on every call, and a DRA call can write a thousand specs.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
+def encode_spec(spec: dict[str, Any]) -> str:
+    """A spec's canonical JSON: compact, keys sorted. Its file holds this and a newline."""
+    return _ENCODER.encode(spec)
+
+
 def _encode(spec: dict[str, Any]) -> bytes:
-    # Compact: the C encoder writes it; the indenting one is pure Python.
-    return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+    return f"{encode_spec(spec)}\n".encode()
 
 
 def write_spec(directory: Path, filename: str, spec: dict[str, Any]) -> Path:
@@ -110,19 +114,25 @@ def write_spec(directory: Path, filename: str, spec: dict[str, Any]) -> Path:
 
 
 def write_specs(directory: Path, specs: Mapping[str, dict[str, Any]]) -> dict[str, OSError]:
-    """Write many specs (by file name) into one directory; returns the error of each that failed. A DRA call can
-    carry a thousand claims, so the directory is made sure of once and paths stay strings. Each spec is renamed
-    into place from a temporary file beside it: runtimes' CDI caches refresh on a rename (or a write) in the
-    directory, not on a file merely appearing (neither linked in from O_TMPFILE nor moved in from elsewhere)."""
+    """Write many specs (by file name) into one directory; returns the error of each that failed."""
+    return write_spec_files(directory, {filename: _encode(spec) for filename, spec in specs.items()})
+
+
+def write_spec_files(directory: Path, files: Mapping[str, bytes]) -> dict[str, OSError]:
+    """Write many encoded specs (by file name) into one directory, as write_spec does; returns the error of each
+    that failed. A DRA call can carry a thousand claims, so the directory is made sure of once and paths stay
+    strings. Each spec is renamed into place from a temporary file beside it: runtimes' CDI caches refresh on a
+    rename (or a write) in the directory, not on a file merely appearing (neither linked in from O_TMPFILE nor
+    moved in from elsewhere)."""
     try:
         make_directory(directory)
     except OSError as exc:
-        return dict.fromkeys(specs, exc)
+        return dict.fromkeys(files, exc)
     base = os.fspath(directory)
     failed: dict[str, OSError] = {}
-    for filename, spec in specs.items():
+    for filename, data in files.items():
         try:
-            atomic_write(f"{base}/{filename}", _encode(spec), mode=0o644, durable=False, make_parent=False)
+            atomic_write(f"{base}/{filename}", data, mode=0o644, durable=False, make_parent=False)
         except OSError as exc:
             failed[filename] = exc
     return failed

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from gpuppetti.dra.checkpoint import COMPLETED, Checkpoint, ClaimRecord, PreparedDevice, UnusableCheckpoint
+from gpuppetti import cdi
+from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice, UnusableCheckpoint
 
 
 def _saved(tmp_path: Path) -> Checkpoint:
@@ -111,3 +112,36 @@ def test_a_checkpoint_that_cannot_be_moved_aside_says_what_to_do(tmp_path: Path,
     with pytest.raises(UnusableCheckpoint, match="cannot be moved aside: Permission denied; move it away"):
         Checkpoint(tmp_path / "checkpoint.json").load()
 
+
+
+def _record(uid: str, state: str = COMPLETED, spec: dict[str, Any] | None = None) -> ClaimRecord:
+    if state != COMPLETED:
+        return ClaimRecord(uid, "default", f"claim-{uid}", STARTED, layer_allocations={"dra-x": [1 << 30]})
+    spec = spec or {"cdiVersion": "0.3.0", "kind": "gpu.gpuppetti.dev/gpu", "devices": [
+        {"name": f"claim-{uid}-gpu", "containerEdits": {"env": [f"GPUPPETTI_CLAIM={uid}", "Ü=\"quoted\""]}}]}
+    return ClaimRecord(uid, "default", f"claim-{uid}", COMPLETED,
+                       [PreparedDevice(["gpu"], "node1", "gpu-apple-0", [f"k/c=claim-{uid}-gpu"])], spec,
+                       f"k-c_{uid}.json", {"dra-x": [1 << 30]})
+
+
+def test_saves_encode_only_new_records_and_write_what_a_fresh_encoding_would(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json")
+    started = {uid: _record(uid, STARTED) for uid in ("b", "a", "c")}
+    checkpoint.save(started)
+    # The caller's own encoding of the specs is spliced in rather than encoded again.
+    completed = {**started, "a": _record("a"), "c": _record("c")}
+    texts = {uid: cdi.encode_spec(completed[uid].cdi_spec or {}) for uid in ("a", "c")}
+    checkpoint.save(completed, texts)
+    written = checkpoint.path.read_bytes()
+    fresh = Checkpoint(tmp_path / "fresh.json")
+    fresh.save(completed)
+    assert written == fresh.path.read_bytes(), "byte for byte what encoding every record anew writes"
+    loaded = Checkpoint(checkpoint.path)
+    assert loaded.load() is None and loaded.claims == completed
+    # Records kept as they are keep their encoding; a replaced one is encoded again; a removed one goes.
+    later = {"a": completed["a"], "b": _record("b")}
+    checkpoint.save(later)
+    anew = Checkpoint(tmp_path / "anew.json")
+    anew.save(later)
+    assert checkpoint.path.read_bytes() == anew.path.read_bytes()
+    assert Checkpoint(checkpoint.path).load() is None

@@ -58,8 +58,12 @@ class ClaimRecord:
     layer_allocations: dict[str, list[int]] = field(default_factory=dict)
 
 
-def _canonical(claims: dict[str, Any]) -> str:
-    return json.dumps(claims, sort_keys=True, separators=(",", ":"))
+# Made once: json.dumps with options builds an encoder on every call, and a save encodes each new record.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+
+
+def _canonical(claims: Any) -> str:
+    return _ENCODER.encode(claims)
 
 
 def _checksum(claims: dict[str, Any]) -> str:
@@ -73,6 +77,21 @@ def _as_json(record: ClaimRecord) -> dict[str, Any]:
         "devices": [vars(device) for device in record.devices],
         "cdi_spec": record.cdi_spec, "cdi_file": record.cdi_file, "layer_allocations": record.layer_allocations,
     }
+
+
+def _record_text(record: ClaimRecord, spec_text: str | None) -> str:
+    """The record's canonical JSON, as ``_canonical`` writes it within the claims. ``spec_text`` is its CDI spec's
+    canonical JSON where the caller has it already (the spec file holds the same text): spliced in, not encoded
+    again."""
+    body = _as_json(record)
+    if spec_text is None or record.cdi_spec is None:
+        return _canonical(body)
+    del body["cdi_spec"]
+    text = _canonical(body)
+    # Keys sorted, cdi_spec goes between cdi_file and devices; nothing before that point can read ',"devices":',
+    # since a quote inside a JSON string is escaped.
+    cut = text.index(',"devices":')
+    return f'{text[:cut]},"cdi_spec":{spec_text}{text[cut:]}'
 
 
 class CorruptCheckpoint(Exception):
@@ -162,6 +181,9 @@ class Checkpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._claims: Mapping[str, ClaimRecord] = MappingProxyType({})
+        # Each saved record, by uid, with its quoted uid and its entry in the canonical claims object (the quoted
+        # uid and the record's JSON): records are never changed, only replaced, so a save encodes only new ones.
+        self._texts: dict[str, tuple[ClaimRecord, str, str]] = {}
 
     @property
     def claims(self) -> Mapping[str, ClaimRecord]:
@@ -172,6 +194,7 @@ class Checkpoint:
         """Read the file. Returns where a corrupt (or newer) file's copy was put, after logging why; None otherwise.
         Raises UnusableCheckpoint when the path cannot hold a checkpoint at all."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self._texts = {}
         try:
             if self.path.is_dir():
                 raise CorruptCheckpoint("a directory, not a file")
@@ -205,12 +228,26 @@ class Checkpoint:
                     self.path, version, VERSION, len(records), copy)
         return str(copy)
 
-    def save(self, claims: Mapping[str, ClaimRecord]) -> None:
+    def save(self, claims: Mapping[str, ClaimRecord], spec_texts: Mapping[str, str] | None = None) -> None:
         """Write ``claims`` durably, then take them as the current state. Blocks (fsync): call it in a thread.
-        Raises OSError, and keeps the previous state, when the write fails."""
-        canonical = _canonical({uid: _as_json(record) for uid, record in claims.items()})
+        Raises OSError, and keeps the previous state, when the write fails. ``spec_texts`` has, by uid, the
+        canonical JSON (cdi.encode_spec) of records' CDI specs that the caller encoded already."""
+        texts: dict[str, tuple[ClaimRecord, str, str]] = {}
+        previous = self._texts
+        for uid in sorted(claims):
+            record = claims[uid]
+            cached = previous.get(uid)
+            if cached is not None and cached[0] is record:
+                texts[uid] = cached
+                continue
+            key = cached[1] if cached is not None else _ENCODER.encode(uid)
+            text = _record_text(record, spec_texts.get(uid) if spec_texts else None)
+            texts[uid] = (record, key, f"{key}:{text}")
+        # As _canonical writes the claims (keys sorted, compact), from the records' entries.
+        canonical = "{" + ",".join(entry for _, _, entry in texts.values()) + "}"
         checksum = hashlib.sha256(canonical.encode()).hexdigest()
         # The claims are serialised once, for the checksum and the file alike.
         document = f'{{"version":"{VERSION}","checksum":"{checksum}","claims":{canonical}}}\n'
         atomic_write(self.path, document.encode(), mode=0o600)
         self._claims = MappingProxyType(dict(claims))
+        self._texts = texts

@@ -38,6 +38,8 @@ class GpuConfig(Strict):
 
 
 DEFAULT = GpuConfig.model_validate({"apiVersion": API_VERSION, "kind": KIND})
+# What a request without MPS settings gets (a claim is planned a thousand times in one call: made once).
+NO_MPS = MpsConfig()
 
 
 class OpaqueConfigError(Exception):
@@ -56,6 +58,8 @@ def decode(parameters: Any, where: str) -> GpuConfig:
 
 def config_for_request(entries: Sequence[DeviceConfig], driver: str, request: str) -> GpuConfig:
     """The GpuConfig that applies to ``request``: class configs first, then claim configs, the last one winning."""
+    if not entries:
+        return DEFAULT
     parent = request.split("/", 1)[0]
     ordered = sorted(enumerate(entries), key=lambda item: 0 if item[1].source == "FromClass" else 1)
     chosen = DEFAULT

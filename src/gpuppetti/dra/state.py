@@ -11,13 +11,15 @@ checkpoint with fsync, the CDI specs) run in a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gpuppetti import cdi
 from gpuppetti.dra import opaque
@@ -144,7 +146,7 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
             if (why := cannot_honour(strategy, share)) is not None:
                 raise PrepareError(f"request {request}: sharing strategy {strategy} cannot be honoured on device "
                                    f"{share.device.name} ({share.gpu.id}): {why}")
-        mps = config.sharing.mps or opaque.MpsConfig()
+        mps = config.sharing.mps or opaque.NO_MPS
         settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
         cdi_name = f"claim-{claim.uid}-{request}"
         edits = claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)
@@ -168,6 +170,45 @@ def _named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
     names = ", ".join(str(claim) for claim in claims[:shown])
     more = f" and {len(claims) - shown} more" if len(claims) > shown else ""
     return f"{len(claims)} claim(s): {names}{more}"
+
+
+T = TypeVar("T")
+
+
+async def _run_to_the_end(function: Callable[..., T], *args: Any) -> T:
+    """``function`` in a thread; a caller cancelled meanwhile (the kubelet gave up on its call) still waits for the
+    thread to finish before it is cancelled, so that the state lock it holds is released only then and no other
+    call's checkpoint save runs beside this one's."""
+    future = asyncio.ensure_future(asyncio.to_thread(function, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({future})
+        raise
+
+
+_paused = 0
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while a call runs: a thousand claims make some hundred thousand
+    objects that live until the answer, and collections meanwhile free nothing and scan them again and again (an
+    eighth of a thousand-claim Prepare went to them). Collected once after; reference counting frees as ever."""
+    global _paused
+    if _paused == 0 and not gc.isenabled():
+        yield  # held off by someone else
+        return
+    _paused += 1
+    gc.disable()
+    try:
+        yield
+    finally:
+        _paused -= 1
+        if _paused == 0:
+            gc.enable()
 
 
 def _write_specs(directory: Path, specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, str]:
@@ -271,6 +312,10 @@ class DraState:
         The checkpoint is written twice per call, however many claims it holds: once with every new claim
         PrepareStarted (before any side effect), once with them PrepareCompleted (after their CDI specs).
         """
+        with _collector_paused():
+            return await self._prepare(claims)
+
+    async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | PrepareError]:
         answers: dict[str, list[PreparedDevice] | PrepareError] = {}
         valid: list[ClaimRef] = []
         for claim in claims:
@@ -285,17 +330,30 @@ class DraState:
             if done:
                 await self._ensure_specs([c for c in valid if c.uid in done], answers)
         began = time.perf_counter()
-        # The network, with no lock held: an Unprepare meanwhile answers at once. Each claim is planned as soon as
-        # it is read, while the others are still on their way.
+        # The network, with no lock held: an Unprepare meanwhile answers at once.
         namespaces = Counter(claim.namespace for claim in pending)
         listed = await asyncio.gather(*(self._list(ns) for ns, count in namespaces.items() if count >= LIST_FROM))
         claims_of = {ns: found for ns, found in listed if found is not None}
-        plans = await asyncio.gather(*(self._read_and_plan(claim, claims_of.get(claim.namespace))
-                                       for claim in pending))
+        plans: dict[str, _Plan | PrepareError] = {}
+        unlisted: list[ClaimRef] = []
+        snapshot = self._inventory.snapshot
+        for claim in pending:
+            found = claims_of.get(claim.namespace)
+            obj = found.get(claim.name) if found is not None else None
+            if obj is not None and obj.metadata.uid == claim.uid:
+                plans[claim.uid] = self._plan(claim, obj, snapshot)
+            else:
+                # Not listed (too few of its namespace, or created or replaced since the list): asked for by name,
+                # all at once, each planned as soon as it is read.
+                unlisted.append(claim)
+        if unlisted:
+            read_one_by_one = await asyncio.gather(*(self._read_and_plan(claim) for claim in unlisted))
+            plans.update(zip((claim.uid for claim in unlisted), read_one_by_one, strict=True))
         read = time.perf_counter()
         async with self._lock:
             planned: dict[str, tuple[ClaimRef, _Plan]] = {}
-            for claim, plan in zip(pending, plans, strict=True):
+            for claim in pending:
+                plan = plans[claim.uid]
                 if (devices := self._completed(claim)) is not None:
                     answers[claim.uid] = devices  # another call prepared it while this one read the API
                     continue
@@ -303,7 +361,11 @@ class DraState:
                     answers[claim.uid] = plan
                 else:
                     planned[claim.uid] = (claim, plan)
-            prepared = await self._commit(planned, answers) if planned else []
+            committed: dict[str, list[PreparedDevice] | PrepareError] = {}
+            if planned:
+                committed = await _run_to_the_end(self._commit, planned)
+            answers.update(committed)
+        prepared = [uid for uid, answer in committed.items() if not isinstance(answer, PrepareError)]
         if prepared:
             # One line per call at info, naming the first few: a kubelet call can carry a thousand claims.
             log.info("prepared %s in %.1f ms (reading and planning them %.1f ms, checkpoint and CDI specs %.1f ms)",
@@ -328,21 +390,21 @@ class DraState:
             for uid, why in (await asyncio.to_thread(_write_specs, self.cdi_dir, missing)).items():
                 answers[uid] = PrepareError(why)
 
-    async def _commit(self, planned: dict[str, tuple[ClaimRef, _Plan]],
-                      answers: dict[str, list[PreparedDevice] | PrepareError]) -> list[str]:
-        claims = dict(self.checkpoint.claims)
-        started = {**claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED,
-                                                 layer_allocations=plan.allocations)
-                                for uid, (c, plan) in planned.items()}}
+    def _commit(self, planned: Mapping[str, tuple[ClaimRef, _Plan]]) -> dict[str, list[PreparedDevice] | PrepareError]:
+        """Checkpoint the claims PrepareStarted, make their layer directories and CDI specs, checkpoint them
+        PrepareCompleted; each claim's answer. Blocks (fsync): run in one thread, under the state lock."""
+        started = {**self.checkpoint.claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED,
+                                                                 layer_allocations=plan.allocations)
+                                                for uid, (c, plan) in planned.items()}}
         try:
-            await asyncio.to_thread(self.checkpoint.save, started)
+            self.checkpoint.save(started)
         except OSError as exc:
-            for uid in planned:
-                answers[uid] = PrepareError(f"saving the checkpoint {self.checkpoint.path} failed: "
-                                            f"{exc.strerror or exc}; nothing was prepared")
-            return []
-        specs = {uid: (plan.filename, plan.spec) for uid, (_, plan) in planned.items()}
-        failed = await asyncio.to_thread(self._write, planned, specs)
+            why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; nothing was prepared"
+            return dict.fromkeys(planned, PrepareError(why))
+        # Each spec is encoded once: its file and its checkpoint record hold the same text.
+        texts = {uid: cdi.encode_spec(plan.spec) for uid, (_, plan) in planned.items()}
+        failed = self._write(planned, texts)
+        answers: dict[str, list[PreparedDevice] | PrepareError] = {}
         completed = dict(started)
         for uid, (claim, plan) in planned.items():
             if uid in failed:
@@ -353,24 +415,24 @@ class DraState:
                                              plan.filename, plan.allocations)
         written = [uid for uid in planned if uid not in failed]
         try:
-            await asyncio.to_thread(self.checkpoint.save, completed)
+            self.checkpoint.save(completed, texts)
         except OSError as exc:
             # The file still says PrepareStarted: the kubelet is told these failed, and their specs go again, so
             # that its retry (which saves again) finds the three in agreement.
-            await asyncio.to_thread(_remove_specs, self.cdi_dir, [planned[uid][1].filename for uid in written])
-            for uid in written:
-                answers[uid] = PrepareError(f"saving the checkpoint {self.checkpoint.path} failed: "
-                                            f"{exc.strerror or exc}; the kubelet will retry")
-            return []
+            _remove_specs(self.cdi_dir, [planned[uid][1].filename for uid in written])
+            why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; the kubelet will retry"
+            answers.update(dict.fromkeys(written, PrepareError(why)))
+            return answers
+        debug = log.isEnabledFor(logging.DEBUG)
         for uid in written:
             claim, plan = planned[uid]
             answers[uid] = plan.devices
-            log.debug("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, uid,
-                      ", ".join(d.device for d in plan.devices))
-        return written
+            if debug:
+                log.debug("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, uid,
+                          ", ".join(d.device for d in plan.devices))
+        return answers
 
-    def _write(self, planned: Mapping[str, tuple[ClaimRef, _Plan]],
-               specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    def _write(self, planned: Mapping[str, tuple[ClaimRef, _Plan]], texts: Mapping[str, str]) -> dict[str, str]:
         """The claims' layer directories, then their CDI specs (which mount them); the errors by claim."""
         failed: dict[str, str] = {}
         for uid, (_, plan) in planned.items():
@@ -380,7 +442,10 @@ class DraState:
                         self.layer.create(allocation_id, memories)
             except OSError as exc:
                 failed[uid] = f"creating the Vulkan layer's directory in {self.layer} failed: {exc.strerror or exc}"
-        failed.update(_write_specs(self.cdi_dir, {uid: spec for uid, spec in specs.items() if uid not in failed}))
+        files = {plan.filename: f"{texts[uid]}\n".encode() for uid, (_, plan) in planned.items() if uid not in failed}
+        by_file = {plan.filename: uid for uid, (_, plan) in planned.items()}
+        for filename, error in cdi.write_spec_files(self.cdi_dir, files).items():
+            failed[by_file[filename]] = f"writing the CDI spec into {self.cdi_dir} failed: {error.strerror or error}"
         return failed
 
     async def _list(self, namespace: str) -> tuple[str, Mapping[str, ResourceClaim] | None]:
@@ -390,20 +455,19 @@ class DraState:
             log.warning("%s; reading the claims one by one instead", exc)
             return namespace, None
 
-    async def _read_and_plan(self, claim: ClaimRef, listed: Mapping[str, ResourceClaim] | None
-                             ) -> _Plan | PrepareError:
+    async def _read_and_plan(self, claim: ClaimRef) -> _Plan | PrepareError:
         try:
-            obj = listed.get(claim.name) if listed is not None else None
-            if obj is None or obj.metadata.uid != claim.uid:
-                # Not in the list (created since), or replaced since: ask for it by name.
-                obj = await self._claims.get_claim(claim.namespace, claim.name)
+            obj = await self._claims.get_claim(claim.namespace, claim.name)
         except NotFound as exc:
             return PrepareError(f"ResourceClaim {claim.namespace}/{claim.name} not found: {exc}")
         except ApiError as exc:
             return PrepareError(str(exc))
+        return self._plan(claim, obj, self._inventory.snapshot)
+
+    def _plan(self, claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot) -> _Plan | PrepareError:
         self._pods[claim.uid] = ",".join(sorted(c.name for c in obj.status.reserved_for if c.resource == "pods"))
         try:
-            return plan_claim(claim, obj, self._inventory.snapshot, self.node, self.kind, self.layer)
+            return plan_claim(claim, obj, snapshot, self.node, self.kind, self.layer)
         except PrepareError as exc:
             return exc
 

@@ -110,6 +110,8 @@ def unit_budgets(units: Sequence[Unit], gpus: Mapping[str, Gpu], enforce: Enforc
 def share_budgets(shares: Sequence[Share], enforce: Enforce) -> list[Budget]:
     """The DRA driver's: a consumable share's memory, or a partition's, and the part of the GPU's cores it has
     (its fraction of the GPU where the cores are not known). Empty when nothing is limited."""
+    if not any(share.share_id is not None or share.parts > 1 for share in shares):
+        return []  # whole GPUs: nothing to hold them to
     parts = []
     for share in shares:
         size = share.size

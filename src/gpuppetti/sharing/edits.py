@@ -98,12 +98,15 @@ def container_edits(units: Sequence[Unit], gpus: Mapping[str, Gpu]) -> Container
     return _edits(gpu_ids, [unit.id for unit in units], sharing_mode(units), replicas, gpus)
 
 
+_STRATEGY_SHARING = {"TimeSlicing": "time-slicing", "Exclusive": "none", "MPS": "mps"}
+
+
 def _claim_sharing(shares: Sequence[Share], strategy: str) -> str:
     if any(share.parts > 1 for share in shares):
         return "partition"
     if any(share.share_id for share in shares):
         return "consumable"
-    return {"TimeSlicing": "time-slicing", "Exclusive": "none", "MPS": "mps"}[strategy]
+    return _STRATEGY_SHARING[strategy]
 
 
 def claim_edits(shares: Sequence[Share], strategy: str, mps: MpsSettings, gpus: Mapping[str, Gpu],
@@ -125,9 +128,11 @@ def claim_edits(shares: Sequence[Share], strategy: str, mps: MpsSettings, gpus: 
         edits.env["GPUPPETTI_SHARE_ID"] = ",".join(share_ids)
     # Nothing in user space enforces these shares on every GPU; say so instead of implying isolation.
     edits.env["GPUPPETTI_LIMITS"] = "cooperative"
-    nvidia = [share for share in shares if share.gpu.vendor is Vendor.NVIDIA and not share.gpu.simulated]
-    if strategy == "MPS" and nvidia:
-        _mps(edits, nvidia, mps)
+    # Only MPS looks for NVIDIA GPUs: a DRA call plans a thousand claims.
+    if strategy == "MPS":
+        nvidia = [share for share in shares if share.gpu.vendor is Vendor.NVIDIA and not share.gpu.simulated]
+        if nvidia:
+            _mps(edits, nvidia, mps)
     return edits
 
 
