@@ -34,8 +34,10 @@ from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.inventory import Inventory
 from gpuppetti.kubelet.emulator import KubeletEmulator, PluginEndpoint
+from gpuppetti.manifests import RESOURCES
 from gpuppetti.metrics import Metrics
 from gpuppetti.model import Health
+from gpuppetti.quantity import parse_bytes
 from gpuppetti.sandbox import vulkan_icd
 from gpuppetti.sharing.budgets import Budget
 from gpuppetti.tables import Column, Prose, print_table
@@ -79,6 +81,14 @@ def plugin_config(units: int, toggled_health: str = "Healthy") -> str:
     )
 
 
+def _status_bytes(pid: int, key: str) -> int:
+    """A size from /proc/PID/status (VmRSS, RssFile), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 class Plugin:
     """``gpuppetti plugin`` as a subprocess serving ``directory``."""
 
@@ -99,10 +109,7 @@ class Plugin:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def _status(self, key: str) -> int:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        return _status_bytes(self.process.pid, key)
 
     def rss_bytes(self) -> int:
         return self._status("VmRSS")
@@ -368,6 +375,26 @@ def _split(log: Path) -> str:
     return lines[-1].rsplit(" (", 1)[-1].rstrip(")") if lines else "no timing in the driver log"
 
 
+# What the manifests and the chart hold each daemon's container to.
+DRIVER_MEMORY_LIMIT = parse_bytes(RESOURCES["limits"]["memory"])
+
+
+async def _allocated_claims(api: ApiStandIn, count: int) -> list[ClaimKey]:
+    """``count`` claims, allocated (as the scheduler would) one each to devices gpu-apple-0, gpu-apple-1, ..."""
+    claims = []
+    for n in range(count):
+        claim = await api.create("resourceclaims", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": f"c{n}", "namespace": "default"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
+        }, "default")
+        claim["status"] = {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-apple-{n}"}]}}}
+        claim = await api.update("resourceclaims", claim, "default", status=True)
+        claims.append(ClaimKey("default", f"c{n}", claim["metadata"]["uid"]))
+    return claims
+
+
 def tmpfs_dir(workdir: Path) -> Path:
     """A directory on tmpfs where there is one: on a node, /var/run/cdi is tmpfs, and so should the bench's be."""
     shm = Path("/dev/shm")
@@ -415,23 +442,24 @@ async def bench_dra(workdir: Path, figures: list[Figure]) -> None:
                 publishing <= 0.8 if judged else None,
                 f"{slices} slice(s), from the kubelet's registration to the last device in the API; the process "
                 f"from its start {cpu:.2f} s of CPU, {seconds * 1000:,.0f} ms wall"))
-            if devices > 1000:
-                continue
-            claims = []
-            for n in range(min(devices, 1000)):
-                claim = await api.create("resourceclaims", {
-                    "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-                    "metadata": {"name": f"c{n}", "namespace": "default"},
-                    "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
-                }, "default")
-                claim["status"] = {"allocation": {"devices": {"results": [
-                    {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-apple-{n}"}]}}}
-                claim = await api.update("resourceclaims", claim, "default", status=True)
-                claims.append(ClaimKey("default", f"c{n}", claim["metadata"]["uid"]))
+            published_rss = _status_bytes(process.pid, "VmRSS")
+            claims = await _allocated_claims(api, min(devices, 1000))
             began = time.perf_counter()
             answers = await kubelet.call(DRIVER, "prepare", claims)
             elapsed = (time.perf_counter() - began) * 1000
             errors = [a.error for a in answers.values() if a.error]
+            if devices > 1000:
+                # The largest node: what the driver holds with all its devices published and a thousand claims.
+                rss = _status_bytes(process.pid, "VmRSS") / 2**20
+                figures.append(Figure(
+                    f"DRA driver resident memory, {devices:,} devices and {len(claims):,} prepared claims", rss, "MiB",
+                    f"≤ {DRIVER_MEMORY_LIMIT / 2**20:,.0f} MiB", rss <= DRIVER_MEMORY_LIMIT / 2**20,
+                    f"VmRSS after publishing {slices} slices and preparing the claims in one call ({elapsed:,.0f} ms); "
+                    f"{published_rss / 2**20:.1f} MiB once published, before any claim; of which shared libraries "
+                    f"{_status_bytes(process.pid, 'RssFile') / 2**20:.1f} MiB; the goal is the container's memory "
+                    "limit in the manifests and the chart"
+                    + (f"; {len(errors)} errors: {errors[0]}" if errors else "")))
+                continue
             judged = len(claims) == 1000
             figures.append(Figure(f"DRA NodePrepareResources, {len(claims):,} claims in one call", elapsed, "ms",
                                   "≤ 300 ms" if judged else "report", elapsed <= 300 if judged else None,
