@@ -91,8 +91,8 @@ def spec_filename(kind: str, identifier: str | None = None) -> str:
 
 
 # Compact: the C encoder writes it (the indenting one is pure Python). Made once: json.dumps with options builds an
-# encoder on every call, and a DRA call can write a thousand specs.
-_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+# encoder on every call, and a DRA call can write a thousand specs. A spec is a tree of plain values: no cycle.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
 
 
 def encode_spec(spec: dict[str, Any]) -> str:

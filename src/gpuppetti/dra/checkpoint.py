@@ -58,8 +58,9 @@ class ClaimRecord:
     layer_allocations: dict[str, list[int]] = field(default_factory=dict)
 
 
-# Made once: json.dumps with options builds an encoder on every call, and a save encodes each new record.
-_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+# Made once: json.dumps with options builds an encoder on every call, and a save encodes each new record. Records
+# are trees of plain values, so there is no cycle to look for.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
 
 
 def _canonical(claims: Any) -> str:
