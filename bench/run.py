@@ -375,8 +375,10 @@ def _split(log: Path) -> str:
     return lines[-1].rsplit(" (", 1)[-1].rstrip(")") if lines else "no timing in the driver log"
 
 
-# What the manifests and the chart hold each daemon's container to.
+# What the manifests and the chart hold each daemon's container to, and the driver's own goal with 10,000 devices
+# and 1,000 claims: a minimal Python driver holds 66 MiB.
 DRIVER_MEMORY_LIMIT = parse_bytes(RESOURCES["limits"]["memory"])
+DRIVER_MEMORY_GOAL_MIB = 80
 
 
 async def _allocated_claims(api: ApiStandIn, count: int) -> list[ClaimKey]:
@@ -453,11 +455,11 @@ async def bench_dra(workdir: Path, figures: list[Figure]) -> None:
                 rss = _status_bytes(process.pid, "VmRSS") / 2**20
                 figures.append(Figure(
                     f"DRA driver resident memory, {devices:,} devices and {len(claims):,} prepared claims", rss, "MiB",
-                    f"≤ {DRIVER_MEMORY_LIMIT / 2**20:,.0f} MiB", rss <= DRIVER_MEMORY_LIMIT / 2**20,
+                    f"≤ {DRIVER_MEMORY_GOAL_MIB} MiB", rss <= DRIVER_MEMORY_GOAL_MIB,
                     f"VmRSS after publishing {slices} slices and preparing the claims in one call ({elapsed:,.0f} ms); "
                     f"{published_rss / 2**20:.1f} MiB once published, before any claim; of which shared libraries "
-                    f"{_status_bytes(process.pid, 'RssFile') / 2**20:.1f} MiB; the goal is the container's memory "
-                    "limit in the manifests and the chart"
+                    f"{_status_bytes(process.pid, 'RssFile') / 2**20:.1f} MiB; the container's memory limit in the "
+                    f"manifests and the chart is {DRIVER_MEMORY_LIMIT / 2**20:,.0f} MiB"
                     + (f"; {len(errors)} errors: {errors[0]}" if errors else "")))
                 continue
             judged = len(claims) == 1000
