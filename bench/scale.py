@@ -33,8 +33,9 @@ from rich.console import Console
 
 from gpuppetti.config import parse_config
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.dra.slices import pool_content, resource_slices
+from gpuppetti.dra.slices import pool_content
 from gpuppetti.inventory import Inventory
+from gpuppetti.kit.publisher import resource_slices
 from gpuppetti.tables import Column, print_table
 from tests.cluster.realnode import KIT, RealNode, machine_lock, why_not
 

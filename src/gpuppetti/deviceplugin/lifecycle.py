@@ -30,7 +30,6 @@ import grpc
 
 from gpuppetti import cdi
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.backoff import Backoff
 from gpuppetti.deviceplugin import cdispec
 from gpuppetti.deviceplugin.enforcement import Enforcer
@@ -39,6 +38,7 @@ from gpuppetti.fsutil import make_directory
 from gpuppetti.instancelock import InstanceLock
 from gpuppetti.inventory import Inventory
 from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
+from gpuppetti.kit.registration import register_device_plugin
 from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import KUBELET_SOCKET
 from gpuppetti.runtime import Runtime
@@ -382,19 +382,9 @@ class DevicePluginManager:
             await endpoint.stop()
 
     async def _register(self, endpoint: ResourceEndpoint) -> None:
-        # A local subchannel pool forces a new connection: a half-dead one from a failed attempt is never reused.
-        options = [("grpc.use_local_subchannel_pool", 1)]
-        async with grpc.aio.insecure_channel(f"unix:{self.kubelet_socket}", options=options) as channel:
-            stub = pb_grpc.RegistrationStub(channel)
-            await stub.Register(
-                pb.RegisterRequest(
-                    version=API_VERSION,
-                    endpoint=endpoint.socket_name,
-                    resource_name=endpoint.resource,
-                    options=OPTIONS,
-                ),
-                timeout=REGISTER_TIMEOUT_S,
-            )
+        request = pb.RegisterRequest(version=API_VERSION, endpoint=endpoint.socket_name,
+                                     resource_name=endpoint.resource, options=OPTIONS)
+        await register_device_plugin(self.kubelet_socket, request, REGISTER_TIMEOUT_S)
 
 
 async def _wait(wake: asyncio.Event, seconds: float | None = None) -> None:

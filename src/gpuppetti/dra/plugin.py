@@ -1,4 +1,5 @@
-"""The kubelet-facing gRPC services of the DRA driver: DRAPlugin v1 and v1beta1, resource health, registration."""
+"""The kubelet-facing gRPC services of the DRA driver: DRAPlugin v1 and v1beta1, and resource health (its
+registration is the kit's)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from gpuppetti._proto.dra.v1beta1 import api_pb2 as v1beta1
 from gpuppetti._proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as health
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
-from gpuppetti._proto.pluginregistration.v1 import api_pb2 as reg
-from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpuppetti.dra.checkpoint import PreparedDevice
 from gpuppetti.dra.state import ClaimRef, DraState, PrepareError
 from gpuppetti.inventory import Inventory, Snapshot
@@ -173,35 +172,6 @@ class ResourceHealth(health_grpc.DRAResourceHealthServicer):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(HEALTH_REFRESH_S):
                     await inventory.wait_for_change(seen)
-
-
-class Registration(reg_grpc.RegistrationServicer):
-    def __init__(self, driver: str, endpoint: str) -> None:
-        self._driver = driver
-        self._endpoint = endpoint
-        self.registered = False
-        self.last_error = ""
-        # Set once the kubelet has confirmed a registration: a slice published earlier could be scheduled to, and
-        # the kubelet would fail that pod's Prepare ("driver not registered") and retry only a minute later.
-        self.confirmed = asyncio.Event()
-
-    async def GetInfo(
-        self, request: reg.InfoRequest, context: grpc.aio.ServicerContext
-    ) -> reg.PluginInfo:
-        return reg.PluginInfo(type=PLUGIN_TYPE, name=self._driver, endpoint=self._endpoint,
-                              supported_versions=list(SUPPORTED_VERSIONS))
-
-    async def NotifyRegistrationStatus(
-        self, request: reg.RegistrationStatus, context: grpc.aio.ServicerContext
-    ) -> reg.RegistrationStatusResponse:
-        self.registered = request.plugin_registered
-        self.last_error = request.error
-        if request.plugin_registered:
-            log.info("registered with the kubelet as DRA driver %s", self._driver)
-            self.confirmed.set()
-        else:
-            log.error("the kubelet refused the registration of %s: %s", self._driver, request.error)
-        return reg.RegistrationStatusResponse()
 
 
 def add_services(server: grpc.aio.Server, service: DraService, inventory: Inventory, node: str) -> None:

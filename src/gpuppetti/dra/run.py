@@ -15,17 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuppetti import cdi
-from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpuppetti.backoff import Backoff
 from gpuppetti.daemon import Sources, reload, start_inventory
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
-from gpuppetti.dra.plugin import DraService, Registration, add_services
-from gpuppetti.dra.publisher import SlicePublisher
+from gpuppetti.dra.plugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
+from gpuppetti.dra.slices import pool_content
 from gpuppetti.dra.state import DraState
 from gpuppetti.fsutil import make_directory
 from gpuppetti.httpserver import READY_NOTE, HttpServer
 from gpuppetti.instancelock import InstanceLock
-from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
+from gpuppetti.kit.endpoint import UnixEndpoint
+from gpuppetti.kit.publisher import SlicePublisher
+from gpuppetti.kit.registration import PluginRegistration, serve_and_register
 from gpuppetti.kube import REQUEST_TIMEOUT_S, ConfigError, Kube, load_config
 from gpuppetti.metrics import Metrics
 from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
@@ -51,35 +52,6 @@ class DraOptions:
     api_timeout: float = REQUEST_TIMEOUT_S
     # Where the Vulkan layer is installed for the containers; None: slices are not enforced.
     vulkan_layer_dir: Path | None = None
-
-
-async def _serve(endpoint: UnixEndpoint, what: str) -> None:
-    """Serve on the endpoint's socket, waiting out what keeps it from being served (said in the log)."""
-    backoff = Backoff(0.1, 5.0)
-    while True:
-        try:
-            await endpoint.start()
-            return
-        except SocketError as exc:
-            delay = backoff.next()
-            log.error("cannot serve the %s yet: %s; trying again in %.1fs", what, exc, delay)
-            await asyncio.sleep(delay)
-
-
-async def _kubelet_services(dra: UnixEndpoint, registration: UnixEndpoint, driver: str) -> None:
-    """Duty: serve the DRA service, then register; at stop unregister first, so that the kubelet stops sending
-    work to a service that is going away."""
-    try:
-        await _serve(dra, "DRA service")
-        # The kubelet may call the DRA service as soon as it sees the registration socket: serve it first.
-        await _serve(registration, "registration")
-        log.info("DRA driver %s serving on %s, registration on %s", driver, dra.path, registration.path)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await registration.stop()
-    finally:
-        await dra.stop()
 
 
 async def _keep_cdi_specs(state: DraState) -> None:
@@ -163,11 +135,10 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     dra_socket = plugin_dir / "dra.sock"
     dra_endpoint = UnixEndpoint(dra_socket, lambda server: add_services(server, service, inventory,
                                                                         options.node_name), STOP_GRACE_S)
-    registration = Registration(driver, str(dra_socket.absolute()))
-    registration_endpoint = UnixEndpoint(
-        options.registry_dir / f"{driver}-reg.sock",
-        lambda server: reg_grpc.add_RegistrationServicer_to_server(registration, server), STOP_GRACE_S)
-    publisher = SlicePublisher(kube, inventory, options.node_name, metrics, registration.confirmed)
+    registration = PluginRegistration(PLUGIN_TYPE, driver, dra_socket, SUPPORTED_VERSIONS, "DRA driver")
+    registration_endpoint = UnixEndpoint(options.registry_dir / f"{driver}-reg.sock", registration.add_to,
+                                         STOP_GRACE_S)
+    publisher = SlicePublisher(kube, inventory, pool_content, options.node_name, metrics, registration.confirmed)
 
     def waiting_for() -> str | None:
         if not registration.registered:
@@ -182,7 +153,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     http.records = lambda: gpu_records(inventory.snapshot)
     http.slices = lambda: slice_records(state)
 
-    runtime.spawn("kubelet-services", _kubelet_services(dra_endpoint, registration_endpoint, driver))
+    runtime.spawn("kubelet-services", serve_and_register(dra_endpoint, registration_endpoint, f"DRA driver {driver}"))
     runtime.spawn("cdi-specs", _keep_cdi_specs(state))
     runtime.spawn("slices-inventory", publisher.follow_inventory())
     runtime.spawn("slices-reconcile", publisher.reconcile_loop())

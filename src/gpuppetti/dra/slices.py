@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from gpuppetti import __version__
 from gpuppetti.inventory import Snapshot
+from gpuppetti.kit.publisher import PoolContent
 from gpuppetti.kubeobjects import (
-    RESOURCE_API,
     Attribute,
     Counter,
     CounterSet,
     Device,
     DeviceCapacity,
-    OwnerReference,
-    ResourceSliceBody,
-    SliceMeta,
     Taint,
 )
 from gpuppetti.model import Gpu, Health
@@ -37,7 +33,6 @@ MAX_DEVICES_ADVANCED = 64
 MAX_COUNTER_SETS = 8
 MAX_STRING = 64
 UNHEALTHY_TAINT = "unhealthy"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "gpuppetti"}
 
 
 def _semver(version: str) -> str:
@@ -126,13 +121,6 @@ def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driv
     return body
 
 
-@dataclass(frozen=True)
-class PoolContent:
-    """The specs of a pool's slices, without the generation, so that a change can be told from a re-publish."""
-
-    specs: tuple[dict[str, Any], ...]
-
-
 def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
     driver = snapshot.config.dra.driver_name
     pool = snapshot.pool
@@ -159,22 +147,3 @@ def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
     for spec in specs:
         spec.update({"driver": driver, "nodeName": node})
     return PoolContent(tuple(specs))
-
-
-def slice_name(node: str, driver: str, number: int) -> str:
-    return f"{node}-{driver}-{number}"
-
-
-def resource_slices(
-    content: PoolContent, node: str, driver: str, generation: int, owner: OwnerReference | None
-) -> list[ResourceSliceBody]:
-    """The slices to write, as API bodies. The devices are shared with ``content``, not copied."""
-    slices: list[ResourceSliceBody] = []
-    for number, spec in enumerate(content.specs):
-        metadata: SliceMeta = {"name": slice_name(node, driver, number), "labels": dict(MANAGED_BY)}
-        if owner is not None:
-            metadata["ownerReferences"] = [owner.body()]
-        pool = {"name": node, "generation": generation, "resourceSliceCount": len(content.specs)}
-        slices.append({"apiVersion": RESOURCE_API, "kind": "ResourceSlice", "metadata": metadata,
-                       "spec": {**spec, "pool": pool}})  # type: ignore[typeddict-item]
-    return slices

@@ -1,4 +1,5 @@
-"""Publishes the node's pool as ResourceSlices and keeps it there, whatever the API server does.
+"""Publishes a node's pool as ResourceSlices and keeps it there, whatever the API server does (the kit's
+ResourceSlice controller: the driver says what its pool holds, as slice specs, and this writes them).
 
 It publishes only once the kubelet has confirmed the driver's registration (a slice published earlier could be
 scheduled to, and the kubelet would fail that pod's Prepare). The kubelet deletes a node's slices when it starts,
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from gpuppetti.backoff import Backoff
-from gpuppetti.dra.slices import PoolContent, pool_content, resource_slices
-from gpuppetti.inventory import Inventory
+from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kube import ApiError, Kube
-from gpuppetti.kubeobjects import OwnerReference, ResourceSliceBody
+from gpuppetti.kubeobjects import RESOURCE_API, OwnerReference, ResourceSliceBody, SliceMeta
 from gpuppetti.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -25,13 +28,46 @@ log = logging.getLogger(__name__)
 RETRY_MAX_S = 10.0
 # Slices written at once: enough to publish 10,000 devices in a few round trips, few enough for any API server.
 CONCURRENT_WRITES = 16
+MANAGED_BY = {"app.kubernetes.io/managed-by": "gpuppetti"}
+
+
+@dataclass(frozen=True)
+class PoolContent:
+    """The specs of a pool's slices, without the generation, so that a change can be told from a re-publish."""
+
+    specs: tuple[dict[str, Any], ...]
+
+
+def slice_name(node: str, driver: str, number: int) -> str:
+    return f"{node}-{driver}-{number}"
+
+
+def resource_slices(
+    content: PoolContent, node: str, driver: str, generation: int, owner: OwnerReference | None
+) -> list[ResourceSliceBody]:
+    """The slices to write, as API bodies. The devices are shared with ``content``, not copied."""
+    slices: list[ResourceSliceBody] = []
+    for number, spec in enumerate(content.specs):
+        metadata: SliceMeta = {"name": slice_name(node, driver, number), "labels": dict(MANAGED_BY)}
+        if owner is not None:
+            metadata["ownerReferences"] = [owner.body()]
+        pool = {"name": node, "generation": generation, "resourceSliceCount": len(content.specs)}
+        slices.append({"apiVersion": RESOURCE_API, "kind": "ResourceSlice", "metadata": metadata,
+                       "spec": {**spec, "pool": pool}})  # type: ignore[typeddict-item]
+    return slices
+
+
+# What a pool holds on a node, from the inventory's snapshot: the driver's own.
+ContentOf = Callable[[Snapshot, str], PoolContent]
 
 
 class SlicePublisher:
     def __init__(
-        self, kube: Kube, inventory: Inventory, node: str, metrics: Metrics, registered: asyncio.Event | None = None,
+        self, kube: Kube, inventory: Inventory, content_of: ContentOf, node: str, metrics: Metrics,
+        registered: asyncio.Event | None = None,
     ) -> None:
         self._kube = kube
+        self._content_of = content_of
         self._metrics = metrics
         self._inventory = inventory
         self.node = node
@@ -62,7 +98,7 @@ class SlicePublisher:
         """Duty: every change of the inventory makes the pool's content anew and asks for a reconcile."""
         while True:
             snapshot = self._inventory.snapshot
-            self._wanted = pool_content(snapshot, self.node)
+            self._wanted = self._content_of(snapshot, self.node)
             self._dirty.set()
             await self._inventory.wait_for_change(snapshot.version)
 
@@ -102,7 +138,7 @@ class SlicePublisher:
     async def reconcile(self) -> None:
         owner = await self._owner_reference()
         existing = {item.metadata.name: item for item in await self._kube.list_slices(self.node, self.driver)}
-        content = self._wanted or pool_content(self._inventory.snapshot, self.node)
+        content = self._wanted or self._content_of(self._inventory.snapshot, self.node)
         if content != self._content:
             known = [item.spec.pool.generation for item in existing.values()]
             # Higher than anything published before, by this process or an earlier one.
