@@ -78,7 +78,7 @@ def guest(request: pytest.FixtureRequest) -> Guest:
 def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, script: str, **options: Any) -> Batch:
     """Boot one VM running the guest script ``script`` over a fresh work directory (shared read-write)."""
     work = tmp_path_factory.mktemp(f"venus-{label}")
-    for name in ("driver.py", "wgpu_slice.py", script):
+    for name in ("driver.py", "runtime.py", "wgpu_slice.py", script):
         shutil.copy2(GUEST / name, work / name)
     shutil.copy2(WGPU_APP, work / "wgpu_app.py")
     (work / "node.yaml").write_text(NODE_CONFIG)
