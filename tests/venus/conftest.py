@@ -42,6 +42,13 @@ sharing:
       - {name: apple.com/gpu, replicas: 4}
 """
 SLICE = 512 * MIB
+# The DRA driver's configs: the node's, its GPU published as consumable capacity (with no shares configured: 4);
+# then re-sliced into partitions (by default halves, quarters and eighths), one device whose memory claims take in
+# the partitions' sizes.
+DRA_CONSUMABLE = NODE_CONFIG + "dra: {slicing: consumable}\n"
+DRA_PARTITIONS = NODE_CONFIG + "dra: {slicing: partitions}\n"
+# What the guest's DRA runner (guest/dra.py) imports from the tests: the API server and DRA kubelet stand-ins.
+STANDINS = venusnode.REPO / "tests" / "standins"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -78,10 +85,16 @@ def guest(request: pytest.FixtureRequest) -> Guest:
 def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, script: str, **options: Any) -> Batch:
     """Boot one VM running the guest script ``script`` over a fresh work directory (shared read-write)."""
     work = tmp_path_factory.mktemp(f"venus-{label}")
-    for name in ("driver.py", "runtime.py", "wgpu_slice.py", script):
+    for name in ("driver.py", "runtime.py", "dra.py", "wgpu_slice.py", script):
         shutil.copy2(GUEST / name, work / name)
     shutil.copy2(WGPU_APP, work / "wgpu_app.py")
+    (work / "tests" / "standins").mkdir(parents=True)
+    (work / "tests" / "__init__.py").write_text("")
+    for name in ("__init__.py", "apiserver.py", "dra_kubelet.py"):
+        shutil.copy2(STANDINS / name, work / "tests" / "standins" / name)
     (work / "node.yaml").write_text(NODE_CONFIG)
+    (work / "dra-consumable.yaml").write_text(DRA_CONSUMABLE)
+    (work / "dra-partitions.yaml").write_text(DRA_PARTITIONS)
     (work / "guide.yaml").write_text(venusnode.guide_virtio_config())
     command = ["sh", str(work / script), str(work), str(guest.venv), str(guest.apps)]
     run = venusnode.run_vm(label, command, work, **options)

@@ -2,7 +2,9 @@
 wheel, used through its commands as on a krunkit node. ``gpuppetti discover`` with the guide's virtio config,
 ``gpuppetti plugin`` on the virtio-gpu (drm backend) registered with the kubelet emulator, each Allocate answer
 applied as a runtime applies it (guest/driver.py), workloads held to their slices on Venus, and ``gpuppetti
-doctor`` against that plugin.
+doctor`` against that plugin. Beside them, ``gpuppetti dra`` on the same GPU against the tests' API server and DRA
+kubelet stand-ins (guest/dra.py): its ResourceSlices, claims it prepares, each claim's CDI device applied to a
+container whose Vulkan probe runs on Venus, and the node re-sliced into partitions.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 import random
 from typing import Any
 
+from tests.cdi_checks import spec_problems
+from tests.dra_support import validate
 from tests.venus.venusnode import Batch
 
 MIB = 2**20
@@ -172,3 +176,170 @@ def test_doctor_names_venus_as_the_driver_and_the_window(node: Batch) -> None:
     assert "allocation(s) held to their slices" in checks["Vulkan layer"]["detail"]
     # No CRI runtime in this VM.
     assert checks["container runtime"]["status"] == "fail" and node.code("doctor") == 1
+
+
+# The DRA driver in the guest (guest/dra.py): its node, its device, and the claims the runner allocates on it, each
+# with its share ID, its cores and its memory.
+DRIVER = "gpu.gpuppetti.dev"
+NODE = "venus-node"
+DEVICE = "gpu-apple-0"
+CONSUMABLE = {"small": ("a1b2c3", 10, 384 * MIB), "large": ("d4e5f6", 20, 1024 * MIB)}
+QUARTER = ("a7b8c9", 10, 512 * MIB)
+LAYER = "/var/lib/gpuppetti/vulkan"
+
+
+def dra(node: Batch, *keys: str) -> dict[str, Any]:
+    """What guest/dra.py saw; ``keys`` must be there (a runner that stopped halfway says where)."""
+    seen: dict[str, Any] = node.json("dra.json")
+    missing = [key for key in keys if key not in seen]
+    assert not missing, (f"the DRA runner exited {node.code('dra-runner')} without {missing} (it got to "
+                         f"{seen['timeline'][-1:]}):\n{node.text('dra-runner.log')[-3000:]}\n"
+                         f"{node.text('dra.log')[-3000:]}")
+    return seen
+
+
+def dra_step(node: Batch, name: str) -> tuple[list[str], dict[str, Any]]:
+    """A claim's container: what ``ls /dev/dri`` listed in it, and the Vulkan probe's report."""
+    steps = node.json("dra-steps.json")
+    assert name in steps, f"the DRA runner ran no container {name}:\n{node.text('dra-runner.log')[-3000:]}"
+    ran = steps[name]
+    assert ran["code"] == 0, f"{name} exited {ran['code']}:\n{ran['stderr']}"
+    lines = ran["stdout"].splitlines()
+    [report] = [json.loads(line) for line in lines if line.startswith("{")]
+    return [line for line in lines if not line.startswith("{")], report
+
+
+def claim_edits(seen: dict[str, Any], phase: str, name: str) -> tuple[str, dict[str, Any]]:
+    """A prepared claim's uid and its CDI device's edits, the spec checked as a CDI runtime checks it."""
+    uid: str = seen[f"{phase}-claims"][name]["uid"]
+    found = seen[f"{phase}-cdi"][name]
+    assert found["file"] == f"gpu.gpuppetti.dev-gpu_{uid}.json"
+    spec = found["spec"]
+    assert spec_problems(spec) == []
+    assert spec["kind"] == f"{DRIVER}/gpu" and "containerEdits" not in spec
+    [device] = spec["devices"]
+    assert device["name"] == f"claim-{uid}-gpu"
+    edits: dict[str, Any] = device["containerEdits"]
+    return uid, edits
+
+
+def held_to(edits: dict[str, Any], uid: str, memory: int, compute: int) -> dict[str, str]:
+    """Check that the edits give the render node and put the container under the Vulkan layer with ``memory`` and
+    ``compute`` (thousandths of the GPU's time); returns the env."""
+    assert edits["deviceNodes"] == [{"path": "/dev/dri/renderD128", "permissions": "rw"}]
+    env = dict(line.split("=", 1) for line in edits["env"])
+    assert env["GPUPPETTI_VK_SLICES"] == f"{SELECTOR}={memory}", "Venus is found by its PCI bus address"
+    assert env["GPUPPETTI_VK_COMPUTE"] == str(compute)
+    assert (env["GPUPPETTI_VK_ACCOUNTING"], env["GPUPPETTI_LIMITS"]) == ("/run/gpuppetti/vulkan", "vulkan")
+    assert (env["GPUPPETTI_VISIBLE_DEVICES"], env["GGML_VK_VISIBLE_DEVICES"]) == (GPU, "0")
+    assert (env["GPUPPETTI_CLAIM"], env["GPUPPETTI_MEMORY"]) == (uid, str(memory))
+    mounts = {mount["containerPath"]: (mount["hostPath"], mount["options"][0]) for mount in edits["mounts"]}
+    assert mounts == {
+        "/etc/vulkan/implicit_layer.d/VkLayer_gpuppetti.json": (f"{LAYER}/VkLayer_gpuppetti.json", "ro"),
+        "/usr/lib/gpuppetti/libVkLayer_gpuppetti.so": (f"{LAYER}/libVkLayer_gpuppetti.so", "ro"),
+        "/usr/local/bin/gpuppetti-vkinfo": (f"{LAYER}/gpuppetti-vkinfo", "ro"),
+        "/run/gpuppetti/vulkan": (f"{LAYER}/allocations/dra-{uid}-gpu", "rw"),
+    }
+    return env
+
+
+def sees_on_venus(node: Batch, name: str, memory: int) -> None:
+    """The claim's container has the render node only, and its Vulkan (Venus alone, as in an image without another
+    driver) has the claim's memory as its heap and budget, all of which it obtains before it is refused."""
+    listed, report = dra_step(node, name)
+    assert listed == ["renderD128"], "only the node the CDI device names, not card0"
+    assert report["layer"] is True
+    [device] = report["devices"]
+    assert device["name"].startswith(VENUS)
+    assert (device["driver"]["id"], device["driver"]["name"]) == (22, "venus")
+    assert (device["pci_bus"], device["drm"]["render"]) == ("0000:00:01.0", "226:128")
+    assert device["memory_budget"] is True
+    [heap] = device["heaps"]
+    assert (heap["size"], heap["budget"]) == (memory, memory)
+    allocation = report["allocation"]
+    assert (allocation["obtained"], allocation["heap_usage_after"]) == (memory, memory)
+    assert allocation["refused_with"] == "VK_ERROR_OUT_OF_DEVICE_MEMORY"
+
+
+def test_the_dra_driver_publishes_the_virtio_gpu_as_consumable_capacity(node: Batch) -> None:
+    seen = dra(node, "registration", "consumable-slices")
+    assert seen["registration"] == {"service": "v1.DRAPlugin",
+                                    "endpoint": f"/var/lib/kubelet/plugins/{DRIVER}/dra.sock"}
+    [published] = seen["consumable-slices"]
+    validate(published)
+    spec = published["spec"]
+    assert (spec["driver"], spec["nodeName"], spec["pool"]["name"], spec["pool"]["resourceSliceCount"]) == (
+        DRIVER, NODE, NODE, 1)
+    [device] = spec["devices"]
+    assert (device["name"], device["allowMultipleAllocations"]) == (DEVICE, True)
+    attributes = device["attributes"]
+    assert (attributes["vendor"], attributes["model"], attributes["cores"], attributes["backend"]) == (
+        {"string": "apple"}, {"string": "Apple M3 Max"}, {"int": 40}, {"string": "drm"})
+    assert attributes["resource.kubernetes.io/pciBusID"] == {"string": "0000:00:01.0"}
+    # The node's config: 40 cores and 2 GiB; with no shares configured, a claim that names no capacity gets a
+    # quarter of each, and one that names some takes the least of the others.
+    assert device["capacity"] == {
+        "share": {"value": "1", "requestPolicy": {"default": "1m", "validRange": {"min": "1m", "max": "1",
+                                                                                   "step": "1m"}}},
+        "cores": {"value": "40", "requestPolicy": {"default": "10", "validRange": {"min": "1", "max": "40",
+                                                                                    "step": "1"}}},
+        "memory": {"value": "2Gi", "requestPolicy": {"default": "512Mi", "validRange": {"min": "1Mi", "max": "2Gi",
+                                                                                         "step": "1Mi"}}},
+    }
+
+
+def test_dra_claims_with_share_ids_are_prepared_under_the_vulkan_layer(node: Batch) -> None:
+    seen = dra(node, "consumable-prepared", "consumable-cdi", "consumable-layer-before")
+    uids = []
+    for name, (share_id, cores, memory) in CONSUMABLE.items():
+        claim = seen["consumable-claims"][name]
+        validate(claim["object"])
+        uid, edits = claim_edits(seen, "consumable", name)
+        assert seen["consumable-prepared"][name] == {"error": "", "devices": [{
+            "pool": NODE, "device": DEVICE, "requests": ["gpu"], "cdi": [f"{DRIVER}/gpu=claim-{uid}-gpu"],
+            "share_id": share_id}]}
+        env = held_to(edits, uid, memory, cores * 1000 // 40)
+        assert (env["GPUPPETTI_SHARING"], env["GPUPPETTI_CORES"], env["GPUPPETTI_SHARE_ID"]) == (
+            "consumable", str(cores), share_id)
+        uids.append(uid)
+    assert seen["consumable-layer-before"] == sorted(f"dra-{uid}-gpu" for uid in uids)
+
+
+def test_a_dra_claims_container_has_the_claims_memory_on_venus(node: Batch) -> None:
+    for name, (_, _, memory) in CONSUMABLE.items():
+        sees_on_venus(node, f"consumable-{name}", memory)
+
+
+def test_re_sliced_into_partitions_a_dra_claim_of_a_quarter_gets_a_quarter_on_venus(node: Batch) -> None:
+    seen = dra(node, "partitions-slices", "partitions-prepared", "partitions-cdi")
+    [published] = seen["partitions-slices"]
+    validate(published)
+    [before] = seen["consumable-slices"]
+    assert published["spec"]["pool"]["generation"] > before["spec"]["pool"]["generation"]
+    [device] = published["spec"]["devices"]
+    assert (device["name"], device["allowMultipleAllocations"]) == (DEVICE, True)
+    assert device["attributes"]["partitions"] == {"int": 8}
+    assert device["capacity"] == {"memory": {"value": "2Gi", "requestPolicy": {
+        "default": "256Mi", "validValues": ["256Mi", "512Mi", "1Gi", "2Gi"]}}}
+    share_id, cores, memory = QUARTER
+    validate(seen["partitions-claims"]["quarter"]["object"])
+    uid, edits = claim_edits(seen, "partitions", "quarter")
+    assert seen["partitions-prepared"]["quarter"]["error"] == ""
+    assert seen["partitions-prepared"]["quarter"]["devices"][0]["share_id"] == share_id
+    env = held_to(edits, uid, memory, 250)
+    assert (env["GPUPPETTI_SHARING"], env["GPUPPETTI_CORES"], env["GPUPPETTI_REPLICAS"]) == (
+        "partition", str(cores), "4")
+    assert "consumedCapacity.memory '640Mi' is not the size of one of its partitions (1/1, 1/2, 1/4, 1/8)" in (
+        seen["partitions-prepared"]["odd"]["error"])
+    sees_on_venus(node, "partitions-quarter", memory)
+
+
+def test_unprepared_dra_claims_leave_nothing_and_the_driver_stops_cleanly(node: Batch) -> None:
+    seen = dra(node, "consumable-unprepared", "partitions-unprepared", "driver-exit")
+    assert seen["consumable-unprepared"] == {"small": "", "large": ""}
+    assert seen["partitions-unprepared"] == {"quarter": "", "odd": ""}
+    for phase in ("consumable", "partitions"):
+        assert (seen[f"{phase}-cdi-after"], seen[f"{phase}-layer-after"]) == ([], []), phase
+    assert seen["driver-exit"] == 0, node.text("dra.log")[-3000:]
+    assert seen["sockets-after"] == [], "SIGTERM removes the registration and DRA sockets"
+    assert node.code("dra-runner") == 0, node.text("dra-runner.log")[-3000:]

@@ -93,6 +93,8 @@ async def main(work: Path, out: Path, apps_python: str) -> int:
                         timeout=60, attempts=3)
         await steps.run("busy-free", three, ["gpuppetti-vkinfo", "--busy", "2", "--fill", "32"],
                         {**alone, "GPUPPETTI_VK_DISABLE": "1"}, timeout=60, attempts=3)
+        # The timed workloads are done: node.sh starts the DRA scenario beside the last one.
+        (out / "timed").write_text("")
         await steps.run("wgpu", three, [apps_python, str(work / "wgpu_slice.py"), "--slice-mib", "512"])
     return 0
 
