@@ -3,7 +3,7 @@
 Partitions come in two layouts. ``capacity``: one device per GPU that many claims share, its memory taken only in
 the partitions' sizes (a request policy's validValues), so that a claim gets one partition's worth of the GPU.
 ``counters``: a device per partition, each consuming the GPU's shared counters (the API's partitionable devices).
-Both give a claim the same sizes; the scheduler pays 40 to 1,400 times more per pod for counters (docs/scale.md).
+Both give a claim the same sizes; the scheduler pays 40 to 1,900 times more per pod for counters (docs/scale.md).
 
 Every device carries its size, computed here once: the ResourceSlices advertise it, and a claim's container is
 told it.

@@ -11,7 +11,7 @@ from gpuppetti.sharing.pool import build_pool
 from gpuppetti.sharing.replicas import Remark, plan_remarks
 
 # Measured with a real scheduler over simulated nodes (make bench-scale, docs/scale.md): 120 devices per node cost
-# it about 3 times what 8 do per pod, and any device that consumes shared counters 40 to 1,400 times.
+# it about 3 times what 8 do per pod, and any device that consumes shared counters 40 to 1,900 times.
 MAX_DEVICES_PER_NODE = 64
 
 
@@ -30,7 +30,7 @@ def pool_remarks(gpus: Sequence[Gpu], dra: DraSection) -> list[Remark]:
                "counters" if dra.partition_layout == "capacity" else "partitions published as devices that consume "
                "shared counters")
         remarks.append(Remark(path, f"{why} ({len(pool.devices)} devices on this node): the scheduler spends 40 to "
-                              "1,400 times the CPU of a whole-GPU claim on each claim, more the more nodes the "
+                              "1,900 times the CPU of a whole-GPU claim on each claim, more the more nodes the "
                               "cluster has (docs/scale.md); partitionLayout: capacity gives claims the same sizes at "
                               "a whole GPU's cost", True))
     elif len(pool.devices) > MAX_DEVICES_PER_NODE:
