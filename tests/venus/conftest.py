@@ -67,19 +67,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
-def guest(request: pytest.FixtureRequest) -> Guest:
+def guest(request: pytest.FixtureRequest) -> Iterator[Guest]:
+    """The chroot with this run's wheel installed, held for the whole run (venusnode.machine_lock)."""
     reason = venusnode.why_not()
     if reason is not None:
         pytest.skip(f"venus tier skipped: {reason}")
-    try:
-        venusnode.setup()
-        given = os.environ.get(venusnode.WHEEL_ENV)
-        wheel = Path(given) if given else request.getfixturevalue("clean_wheel")
-        venv = venusnode.install_wheel(wheel)
-        apps = venusnode.install_apps((WGPU,))
-    except CannotRun as exc:
-        pytest.skip(f"venus tier skipped: {exc}")
-    return Guest(venv, apps)
+    given = os.environ.get(venusnode.WHEEL_ENV)
+    wheel = Path(given) if given else request.getfixturevalue("clean_wheel")
+    with venusnode.machine_lock():
+        try:
+            venusnode.setup()
+            venv = venusnode.install_wheel(wheel)
+            apps = venusnode.install_apps((WGPU,))
+        except CannotRun as exc:
+            pytest.skip(f"venus tier skipped: {exc}")
+        yield Guest(venv, apps)
 
 
 def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, script: str, **options: Any) -> Batch:

@@ -11,15 +11,18 @@ emulated: every Python start costs seconds, so scenarios are batched, one VM per
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +99,23 @@ class Timings:
 
 
 TIMINGS = Timings()
+
+
+# One user of the chroot at a time: a run installs its wheel's venv there and removes the others', so a second run
+# (another checkout's make test, a tier started by hand) waits for the first rather than losing its venv.
+LOCK = STATE_DIR.parent / f"{STATE_DIR.name}.lock"
+
+
+@contextlib.contextmanager
+def machine_lock() -> Iterator[None]:
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"venus tier: waiting for another run to finish with {STATE_DIR} (lock {LOCK})", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -313,8 +333,9 @@ def prepare() -> int:
         return 0
     started = time.monotonic()
     try:
-        setup()
-        install_apps((WGPU,))
+        with machine_lock():
+            setup()
+            install_apps((WGPU,))
     except (CannotRun, RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"venus tier: not prepared ahead (its tests will say why): {exc}")
         return 0
