@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpuppetti.config import Config, parse_config
@@ -157,3 +160,17 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
         else:
             body.append(line)
     return blocks
+
+
+@contextlib.contextmanager
+def machine_lock(path: Path, waiting: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (made when missing): a resource one run at a time may use on this machine.
+    ``waiting`` goes to stderr when another run holds it, before waiting for it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{waiting} (lock {path})", file=sys.stderr)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield

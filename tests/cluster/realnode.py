@@ -8,7 +8,6 @@ with CDI, all on loopback). Everything here talks to it the way a user would: ku
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -21,12 +20,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from tests import helpers
 
 REPO = Path(__file__).resolve().parents[2]
 # Where the kit lives beside the repository; REALNODE_KIT points elsewhere.
@@ -47,15 +48,8 @@ START_MARK = "---- gpuppetti"
 LOCK = Path(tempfile.gettempdir()) / "gpuppetti-realnode.lock"
 
 
-@contextlib.contextmanager
-def machine_lock() -> Iterator[None]:
-    with LOCK.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another real node on this machine to go down (lock {LOCK})", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+def machine_lock() -> contextlib.AbstractContextManager[None]:
+    return helpers.machine_lock(LOCK, "waiting for another real node on this machine to go down")
 
 
 def why_not() -> str | None:

@@ -11,22 +11,20 @@ emulated: every Python start costs seconds, so scenarios are batched, one VM per
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import helpers
 from tests.apps.support import WGPU
 from tests.helpers import fenced_blocks
 
@@ -106,16 +104,8 @@ TIMINGS = Timings()
 LOCK = STATE_DIR.parent / f"{STATE_DIR.name}.lock"
 
 
-@contextlib.contextmanager
-def machine_lock() -> Iterator[None]:
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"venus tier: waiting for another run to finish with {STATE_DIR} (lock {LOCK})", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
+def machine_lock() -> contextlib.AbstractContextManager[None]:
+    return helpers.machine_lock(LOCK, f"venus tier: waiting for another run to finish with {STATE_DIR}")
 
 
 def _env(**extra: str) -> dict[str, str]:
