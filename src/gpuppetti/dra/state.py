@@ -266,7 +266,7 @@ class DraState:
         remove specs the checkpoint does not hold as prepared. Returns how many were re-created; those that could
         not be are in ``missing_specs`` until a later call succeeds."""
         async with self._lock:
-            return await asyncio.to_thread(self._restore)
+            return await _run_to_the_end(self._restore)
 
     def _restore(self) -> int:
         present = self._spec_files()
@@ -387,7 +387,7 @@ class DraState:
             if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
                 missing[claim.uid] = (record.cdi_file, record.cdi_spec)
         if missing:
-            for uid, why in (await asyncio.to_thread(_write_specs, self.cdi_dir, missing)).items():
+            for uid, why in (await _run_to_the_end(_write_specs, self.cdi_dir, missing)).items():
                 answers[uid] = PrepareError(why)
 
     def _commit(self, planned: Mapping[str, tuple[ClaimRef, _Plan]]) -> dict[str, list[PreparedDevice] | PrepareError]:
@@ -510,7 +510,7 @@ class DraState:
             if gone:
                 remaining = {uid: record for uid, record in current.items() if uid not in {c.uid for c in gone}}
                 try:
-                    await asyncio.to_thread(self.checkpoint.save, remaining)
+                    await _run_to_the_end(self.checkpoint.save, remaining)
                 except OSError as exc:
                     why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
                     for claim in valid:
@@ -520,11 +520,11 @@ class DraState:
                     log.debug("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
                 log.info("unprepared %s", _named(gone))
             # After the checkpoint let them go; a spec the checkpoint never held goes too.
-            await asyncio.to_thread(_remove_specs, self.cdi_dir,
-                                    [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
+            await _run_to_the_end(_remove_specs, self.cdi_dir,
+                                  [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
             if self.layer is not None:
                 for allocation in directories:
-                    await asyncio.to_thread(self.layer.remove, allocation)
+                    await _run_to_the_end(self.layer.remove, allocation)
             for claim in valid:
                 self.missing_specs.pop(claim.uid, None)
                 self._pods.pop(claim.uid, None)
