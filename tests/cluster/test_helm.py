@@ -112,13 +112,19 @@ def test_helm_installs_the_dra_driver_which_publishes_slices_and_uninstalls_it(
     node.kubectl("label", "node", node.name, f"{MODE_LABEL}=dra", "--overwrite")
     wait_for("the DRA driver pod Ready (registered, slices published)", lambda: _ready_pods(node, "dra"), 120)
 
-    def devices() -> list[str] | None:
+    seen: list[list[str]] = []
+
+    def devices() -> bool:
         slices = [s for s in node.get("resourceslices")["items"]
                   if s["spec"]["driver"] == DRIVER and s["spec"].get("nodeName") == node.name]
-        names = sorted(d["name"] for s in slices for d in s["spec"].get("devices", []))
-        return names or None
+        seen.append(sorted(d["name"] for s in slices for d in s["spec"].get("devices", [])))
+        # An earlier driver's pool (another test's config) may still be there until this one's replaces it.
+        return seen[-1] == ["gpu-apple-0", "gpu-apple-1"]
 
-    assert len(wait_for("the driver's ResourceSlices", devices, 60)) == 2, "the config's two simulated GPUs"
+    try:
+        wait_for("the driver's ResourceSlices: the config's two simulated GPUs", devices, 90)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; devices seen: {seen[-3:]}") from None
     assert (node.dir / "helm-vulkan").is_dir(), "vulkanLayerDir reached the node"
     node.apply([{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one"},
                  "spec": {"spec": {"devices": {"requests": [
