@@ -33,10 +33,19 @@ from gpuppetti.discovery import BackendUnavailable, backends_for, discover, look
 from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.model import Gpu, Vendor
+from gpuppetti.processes import run_within
 from gpuppetti.quantity import format_bytes
 from gpuppetti.report import gpu_records, print_gpus
 from gpuppetti.runtime import Runtime
-from gpuppetti.sandbox import BUSYBOX, PODMAN_FLAGS, VULKAN_LOADER, PodmanSandbox, SandboxError, Seen
+from gpuppetti.sandbox import (
+    BUSYBOX,
+    PODMAN_FLAGS,
+    VULKAN_LOADER,
+    PodmanSandbox,
+    SandboxError,
+    Seen,
+    linked_libraries,
+)
 from gpuppetti.sharing.remarks import config_remarks
 from gpuppetti.tables import Column, Prose, print_table, print_trimmed
 from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, Enforcement, install_layer
@@ -366,25 +375,6 @@ def library_of(manifest: Path, key: str = "ICD") -> Path | None:
     return None
 
 
-async def _ldd(binaries: Iterable[Path]) -> list[Path]:
-    """The binaries and every library they load, as ldd names them (none for a static one)."""
-    found: dict[str, Path] = {}
-    for binary in binaries:
-        found[str(binary)] = binary
-        process = await asyncio.create_subprocess_exec("ldd", str(binary), stdout=asyncio.subprocess.PIPE,
-                                                       stderr=asyncio.subprocess.STDOUT)
-        stdout, _ = await process.communicate()
-        if process.returncode != 0:
-            if b"not a dynamic executable" in stdout:
-                continue
-            raise SandboxError(f"ldd {binary} failed: cannot tell which libraries its image needs")
-        for line in stdout.decode(errors="replace").splitlines():
-            path = line.split("=>")[-1].split("(")[0].strip()
-            if path.startswith("/"):
-                found[path] = Path(path)
-    return list(found.values())
-
-
 async def node_image(gpus: Sequence[Gpu], podman: str = "podman") -> str:
     """A local image with a static busybox, the Vulkan loader and the drivers of ``gpus`` from this machine, tagged
     by a digest of what went in (built once). Raises SandboxError where this machine lacks them."""
@@ -406,7 +396,8 @@ async def node_image(gpus: Sequence[Gpu], podman: str = "podman") -> str:
     # which a newer glibc's drivers no longer bring): without it the loader skips the layer without a word.
     mounted = [BUILT / name for name in (LIBRARY, PROBE) if (BUILT / name).is_file()]
     # And busybox's, where it is not the static one (a distribution's busybox package).
-    libraries = [path for path in await _ldd([*binaries, *mounted, BUSYBOX]) if path not in (*mounted, BUSYBOX)]
+    linked = await linked_libraries([*binaries, *mounted, BUSYBOX])
+    libraries = [path for path in linked if path not in (*mounted, BUSYBOX)]
     files = [BUSYBOX, *libraries, *manifests, *layers]
     digest = hashlib.sha256()
     for path in files:
@@ -439,13 +430,8 @@ async def node_image(gpus: Sequence[Gpu], podman: str = "podman") -> str:
 
 
 async def _podman(podman: str, *args: str) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(podman, *PODMAN_FLAGS, *args, stdout=asyncio.subprocess.DEVNULL,
-                                                   stderr=asyncio.subprocess.PIPE)
     try:
-        async with asyncio.timeout(300):
-            _, stderr = await process.communicate()
+        code, _, stderr = await run_within([podman, *PODMAN_FLAGS, *args], 300, stdout=asyncio.subprocess.DEVNULL)
     except TimeoutError:
-        process.kill()
-        await process.wait()
         raise SandboxError(f"podman {args[0]} did not finish in 300s") from None
-    return process.returncode or 0, stderr.decode(errors="replace")
+    return code, stderr.decode(errors="replace")

@@ -17,13 +17,14 @@ import os
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.model import ContainerEdits, DeviceNode, Mount
+from gpuppetti.processes import run_within
 
 BUSYBOX_IMAGE = "localhost/gpuppetti-sandbox:busybox"
 VULKAN_IMAGE = "localhost/gpuppetti-sandbox:vulkan"
@@ -41,6 +42,8 @@ RUN_FLAGS = ("--rm", "--network", "none", "--ulimit", "nofile=1024:1024", "--uli
 PROBE = ("/bin/sh", "-c", "env | grep '^GPUPPETTI_' | sort; echo '--- /dev'; ls /dev; echo '--- vulkan'; "
          f"if [ -x {VKINFO} ]; then {VKINFO} --json --allocate {CHUNK_MIB}; fi")
 TIMEOUT_S = 120.0
+# ldd only reads a binary's headers and the linker's cache.
+LDD_TIMEOUT_S = 60.0
 
 
 class SandboxError(Exception):
@@ -113,18 +116,11 @@ class PodmanSandbox:
         self._podman = podman
 
     async def _podman_call(self, *args: str, timeout: float = TIMEOUT_S) -> tuple[int, str, str]:
-        process = await asyncio.create_subprocess_exec(
-            self._podman, *PODMAN_FLAGS, *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
         try:
-            async with asyncio.timeout(timeout):
-                stdout, stderr = await process.communicate()
+            code, stdout, stderr = await run_within([self._podman, *PODMAN_FLAGS, *args], timeout)
         except TimeoutError:
-            process.kill()
-            await process.wait()
             raise SandboxError(f"podman {' '.join(args[:2])} did not finish in {timeout:.0f}s") from None
-        return process.returncode or 0, stdout.decode(errors="replace"), stderr.decode(errors="replace")
+        return code, stdout.decode(errors="replace"), stderr.decode(errors="replace")
 
     async def why_not(self) -> str | None:
         """None if podman can run containers here, else the reason."""
@@ -154,19 +150,7 @@ class PodmanSandbox:
         """The loader, lavapipe, and every library they load, as ldd names them."""
         assert self._icd is not None
         driver = Path(json.loads(self._icd.read_text())["ICD"]["library_path"])
-        found: dict[str, Path] = {}
-        for binary in (VULKAN_LOADER, driver):
-            process = await asyncio.create_subprocess_exec("ldd", str(binary), stdout=asyncio.subprocess.PIPE,
-                                                           stderr=asyncio.subprocess.PIPE)
-            stdout, _ = await process.communicate()
-            if process.returncode != 0:
-                raise SandboxError(f"ldd {binary} failed")
-            for line in stdout.decode().splitlines():
-                path = line.split("=>")[-1].split("(")[0].strip()
-                if path.startswith("/"):
-                    found[path] = Path(path)
-            found[str(binary)] = binary
-        return list(found.values())
+        return await linked_libraries((VULKAN_LOADER, driver))
 
     async def _build_image(self, libraries: list[Path]) -> None:
         # A root filesystem of one static busybox, and the Vulkan libraries copied from this host: no registry,
@@ -206,3 +190,24 @@ class PodmanSandbox:
             raise SandboxError(f"container {name} failed ({code}): {stderr.strip()}")
         env, dev, vulkan = parse_probe(stdout)
         return Seen(env, dev, flags, vulkan)
+
+
+async def linked_libraries(binaries: Iterable[Path]) -> list[Path]:
+    """The binaries and every library they load, as ldd names them (none for a static one): what an image of
+    this host's files must hold for them to run."""
+    found: dict[str, Path] = {}
+    for binary in binaries:
+        found[str(binary)] = binary
+        try:
+            code, stdout, _ = await run_within(["ldd", str(binary)], LDD_TIMEOUT_S, stderr=asyncio.subprocess.STDOUT)
+        except TimeoutError:
+            raise SandboxError(f"ldd {binary} did not finish in {LDD_TIMEOUT_S:.0f}s") from None
+        if code != 0:
+            if b"not a dynamic executable" in stdout:
+                continue
+            raise SandboxError(f"ldd {binary} failed: cannot tell which libraries its image needs")
+        for line in stdout.decode(errors="replace").splitlines():
+            path = line.split("=>")[-1].split("(")[0].strip()
+            if path.startswith("/"):
+                found[path] = Path(path)
+    return list(found.values())

@@ -19,6 +19,7 @@ from typing import Any
 
 from gpuppetti.doctor.result import Result, ok, skip, warn
 from gpuppetti.model import Gpu, Vendor
+from gpuppetti.processes import run_within
 from gpuppetti.vulkanlayer import BUILT, DISABLE_ENV, PROBE
 
 CHECK = "Vulkan driver"
@@ -120,21 +121,15 @@ async def run_probe(probe: Path = BUILT / PROBE, timeout: float = PROBE_TIMEOUT_
     env = {**os.environ, DISABLE_ENV: "1"}
     env.pop("GPUPPETTI_VK_SLICES", None)
     try:
-        process = await asyncio.create_subprocess_exec(
-            str(probe), "--json", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env)
+        code, stdout, stderr = await run_within([str(probe), "--json"], timeout, env=env,
+                                                stdin=asyncio.subprocess.DEVNULL)
     except OSError as exc:
         raise ProbeFailed(f"cannot run {probe}: {exc.strerror or exc}") from None
-    try:
-        async with asyncio.timeout(timeout):
-            stdout, stderr = await process.communicate()
     except TimeoutError:
-        process.kill()
-        await process.wait()
         raise ProbeFailed(f"{probe.name} did not answer within {timeout:g}s") from None
-    if process.returncode != 0:
+    if code != 0:
         why = stderr.decode(errors="replace").strip().splitlines()
-        raise ProbeFailed(why[-1] if why else f"{probe.name} exited {process.returncode}")
+        raise ProbeFailed(why[-1] if why else f"{probe.name} exited {code}")
     return parse_report(stdout[:OUTPUT_LIMIT].decode(errors="replace"))
 
 
