@@ -22,6 +22,7 @@ import os
 import ssl
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ GPUS_PER_NODE = 8
 BENCH_LABEL = "bench.gpuppetti.dev/simulated"
 NAMESPACE = "default"
 CONCURRENCY = 48
+SCHEDULER_HEALTH = "https://127.0.0.1:10259/healthz"
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ def device_classes() -> list[dict[str, Any]]:
 class Api:
     """The few REST calls the bench makes, as the cluster's admin, over one connection pool."""
 
-    def __init__(self, state: Path, session: aiohttp.ClientSession) -> None:
+    def __init__(self, session: aiohttp.ClientSession) -> None:
         self.base = "https://127.0.0.1:16443"
         self.session = session
         self.limit = asyncio.Semaphore(CONCURRENCY)
@@ -255,10 +257,19 @@ def raise_scheduler_qps(node: RealNode, qps: int) -> None:
     command = node.dir / "run" / "kube-scheduler.cmd"
     command.write_text(command.read_text().rstrip() + f" --kube-api-qps={qps} --kube-api-burst={qps}")
     node.ctl("restart", "kube-scheduler")
+    # Its own health endpoint (always allowed without credentials), not the API server's.
+    unverified = ssl.create_default_context()
+    unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
     deadline = time.monotonic() + 60
-    while "ok" not in node.kubectl("get", "--raw", "/readyz", check=False):
+    while True:
+        try:
+            with urllib.request.urlopen(SCHEDULER_HEALTH, context=unverified, timeout=5) as answer:
+                if answer.read() == b"ok":
+                    return
+        except OSError:
+            pass
         if time.monotonic() > deadline:
-            raise RuntimeError("the scheduler did not come back")
+            raise RuntimeError(f"the scheduler did not come back ({SCHEDULER_HEALTH})")
         time.sleep(0.5)
 
 
@@ -270,7 +281,7 @@ def pid_of(node: RealNode, name: str) -> int:
 async def api_session(state: Path) -> AsyncIterator[Api]:
     connector = aiohttp.TCPConnector(ssl=Api.tls(state), limit=CONCURRENCY)
     async with aiohttp.ClientSession(connector=connector) as session:
-        yield Api(state, session)
+        yield Api(session)
 
 
 def step(text: str) -> None:
