@@ -128,8 +128,12 @@ def share(node: Batch, name: str) -> float:
 def test_a_quarter_share_keeps_venus_busy_about_a_quarter_of_the_time(node: Batch) -> None:
     free = share(node, "busy-free")
     quarter = share(node, "busy-share")
-    assert free >= 0.5, "without the layer, the workload keeps Venus busy"
+    # The share is of wall time, so a quarter holds however loaded the host is; what the workload reaches without
+    # the layer depends on that load (a CI machine running other tiers beside this one took it to 0.49 with one
+    # batch in flight), so it is judged by a margin over the quarter rather than by an absolute figure.
+    print(f"busy without the layer: {free:.2f}; with a quarter share: {quarter:.2f}")
     assert 0.1 <= quarter <= 0.4, (free, quarter)
+    assert free >= 0.4 and free >= quarter + 0.15, ("without the layer, the workload keeps Venus busy", free, quarter)
     hung = [attempt for name in ("busy-share", "busy-free") for attempt in step(node, name)["attempts"]
             if attempt["timed_out"]]
     if hung:

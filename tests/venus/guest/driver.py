@@ -89,10 +89,11 @@ async def main(work: Path, out: Path, apps_python: str) -> int:
         # Venus was the only driver. The timed workloads run as in an image with Venus alone, and a run that
         # stalls all the same is killed and run again (the tests say so).
         alone = {"VK_DRIVER_FILES": VENUS_ICD}
-        await steps.run("busy-share", three, ["gpuppetti-vkinfo", "--busy", "2", "--fill", "32"], alone,
-                        timeout=60, attempts=3)
-        await steps.run("busy-free", three, ["gpuppetti-vkinfo", "--busy", "2", "--fill", "32"],
-                        {**alone, "GPUPPETTI_VK_DISABLE": "1"}, timeout=60, attempts=3)
+        # Two batches queued at once: the next one is waiting while one runs, so the unthrottled workload keeps
+        # Venus busy even when the host is loaded and each round trip through the ring takes longer.
+        busy = ["gpuppetti-vkinfo", "--busy", "2", "--fill", "32", "--in-flight", "2"]
+        await steps.run("busy-share", three, busy, alone, timeout=60, attempts=3)
+        await steps.run("busy-free", three, busy, {**alone, "GPUPPETTI_VK_DISABLE": "1"}, timeout=60, attempts=3)
         # The timed workloads are done: node.sh starts the DRA scenario beside the last one.
         (out / "timed").write_text("")
         await steps.run("wgpu", three, [apps_python, str(work / "wgpu_slice.py"), "--slice-mib", "512"])
