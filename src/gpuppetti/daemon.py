@@ -70,8 +70,13 @@ def where_looked(found: Discovered) -> str:
     return "; ".join(looked_at(found.backends))
 
 
+# GPUs named one by one in a log line; a node of thousands (simulated) gets a count for the rest.
+DESCRIBED_GPUS = 8
+
+
 def describe(gpus: list[Gpu]) -> str:
-    return ", ".join(f"{gpu.id} ({gpu.model})" for gpu in gpus)
+    named = ", ".join(f"{gpu.id} ({gpu.model})" for gpu in gpus[:DESCRIBED_GPUS])
+    return named if len(gpus) <= DESCRIBED_GPUS else f"{named} and {len(gpus) - DESCRIBED_GPUS:,} more"
 
 
 async def start_inventory(sources: Sources) -> tuple[Inventory, HealthMonitor, Discovered]:

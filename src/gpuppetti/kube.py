@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Collection
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import httpx2
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core import exceptions as lightkube_errors
+from lightkube.generic_resource import create_global_resource, create_namespaced_resource
 from lightkube.operators import BinaryOperator, SequenceOperator
 from lightkube.resources.core_v1 import Node as _Node
-from lightkube.resources.resource_v1 import ResourceClaim as _Claim
-from lightkube.resources.resource_v1 import ResourceSlice as _Slice
 from lightkube.types import PatchType
 from pydantic import ValidationError
 
@@ -36,8 +35,18 @@ REQUEST_TIMEOUT_S = 10.0
 # A watch is ended by the server after this long, and started again by its caller.
 WATCH_TIMEOUT_S = 300
 FIELD_MANAGER = "gpuppetti"
+# Claims read per request when a namespace is listed (kubectl's page size).
+LIST_PAGE = 500
 
 T = TypeVar("T")
+
+# ResourceSlices and ResourceClaims as plain dicts (lightkube's generic resources), not as lightkube's models: a slice
+# carries up to 128 devices and a kubelet call names up to a thousand claims, and the models were built only to be
+# turned back into dicts. What is read of them is validated by kubeobjects, like every answer.
+_Slice = create_global_resource(group="resource.k8s.io", version="v1", kind="ResourceSlice",
+                                plural="resourceslices")
+_Claim = create_namespaced_resource(group="resource.k8s.io", version="v1", kind="ResourceClaim",
+                                    plural="resourceclaims")
 
 
 class ApiError(Exception):
@@ -94,8 +103,8 @@ def _fields(node: str, driver: str) -> dict[str, str | BinaryOperator | Sequence
     return {"spec.nodeName": node, "spec.driver": driver}
 
 
-def _slice_object(body: ResourceSliceBody) -> _Slice:
-    return cast(_Slice, _Slice.from_dict(dict(body)))
+def _slice_object(body: ResourceSliceBody) -> Any:
+    return _Slice.from_dict(dict(body))
 
 
 def _as_dict(found: Any) -> dict[str, Any]:
@@ -129,15 +138,18 @@ class Kube:
         return await self._typed(f"reading ResourceClaim {namespace}/{name}",
                                  self._client.get(_Claim, name, namespace=namespace), ResourceClaim)
 
-    async def list_claims(self, namespace: str) -> dict[str, ResourceClaim]:
-        """Every ResourceClaim of ``namespace``, by name: one request where a kubelet call names many."""
+    async def list_claims(self, namespace: str, names: Collection[str]) -> dict[str, ResourceClaim]:
+        """The ResourceClaims of ``namespace`` that are named in ``names``, by name: a few requests where a kubelet
+        call names many. The namespace is read a page at a time and only the named claims are kept, so that a
+        namespace of many claims is never held whole."""
         what = f"listing the ResourceClaims of namespace {namespace}"
 
         async def listed() -> dict[str, ResourceClaim]:
             found = {}
-            async for item in self._client.list(_Claim, namespace=namespace):
-                claim = ResourceClaim.model_validate(_as_dict(item))
-                found[claim.metadata.name] = claim
+            async for item in self._client.list(_Claim, namespace=namespace, chunk_size=LIST_PAGE):
+                if getattr(item.metadata, "name", None) in names:
+                    claim = ResourceClaim.model_validate(_as_dict(item))
+                    found[claim.metadata.name] = claim
             return found
 
         return await self._call(what, listed())
@@ -173,7 +185,7 @@ class Kube:
     async def replace_slice(self, name: str, body: ResourceSliceBody) -> str:
         return await self._version(f"updating ResourceSlice {name}", self._client.replace(_slice_object(body)))
 
-    async def _version(self, what: str, call: Awaitable[_Slice]) -> str:
+    async def _version(self, what: str, call: Awaitable[Any]) -> str:
         """The resourceVersion of a written slice. Only its metadata is read: the API echoes 128 devices back."""
         written = await self._call(what, call)
         version = getattr(written.metadata, "resourceVersion", None)

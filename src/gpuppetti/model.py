@@ -35,7 +35,7 @@ def default_resource_name(vendor: Vendor) -> str:
     return DEFAULT_RESOURCE_NAMES.get(vendor, FALLBACK_RESOURCE_NAME)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DeviceNode:
     """A device node handed to a container. Paths are host paths, never prefixed by a host root."""
 
@@ -55,7 +55,8 @@ class Mount:
     read_only: bool = True
 
 
-@dataclass(frozen=True)
+# Slots: a driver holds its GPUs, their units and devices for its whole life, and a node may have 10,000 of them.
+@dataclass(frozen=True, slots=True)
 class Gpu:
     """One physical GPU as a backend found it."""
 

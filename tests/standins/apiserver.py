@@ -382,8 +382,20 @@ class ApiStandIn:
     def _list(self, request: web.Request, kind: Kind, namespace: str) -> dict[str, Any]:
         items = [obj for (plural, ns, _), obj in sorted(self.objects.items())
                  if self._matches(request, kind, namespace, plural, ns, obj)]
-        return {"apiVersion": kind.api_version, "kind": f"{kind.kind}List",
-                "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+        metadata: dict[str, Any] = {"resourceVersion": str(self._rv)}
+        # Pages, as the API server gives them: ``limit`` items, and a ``continue`` token for the rest (here an
+        # offset; the real one is opaque too).
+        try:
+            start = int(request.query.get("continue") or 0)
+            limit = int(request.query.get("limit") or 0)
+        except ValueError:
+            raise ApiError(400, "BadRequest", "invalid limit or continue") from None
+        if limit > 0:
+            if start + limit < len(items):
+                metadata["continue"] = str(start + limit)
+                metadata["remainingItemCount"] = len(items) - start - limit
+            items = items[start:start + limit]
+        return {"apiVersion": kind.api_version, "kind": f"{kind.kind}List", "metadata": metadata, "items": items}
 
     async def _patch(
         self, request: web.Request, kind: Kind, namespace: str, name: str, status: bool

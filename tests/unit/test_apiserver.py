@@ -16,6 +16,7 @@ from lightkube.resources.resource_v1 import ResourceClaim as Claim
 from lightkube.resources.resource_v1 import ResourceSlice as Slice
 from lightkube.types import PatchType
 
+from gpuppetti import kube
 from gpuppetti.kube import load_config
 from tests.standins.apiserver import ApiStandIn
 
@@ -94,6 +95,33 @@ async def test_field_selectors_and_watch_replay(api: Api) -> None:
         events.append((event, item.metadata.name))
         break
     assert events == [("DELETED", "mine")]
+
+
+async def test_a_list_comes_in_pages_and_the_driver_keeps_only_the_claims_it_named(
+        api: Api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    standin, client = api
+    for n in range(5):
+        await client.create(as_slice(_slice(f"s{n}")))
+    pages = []
+    async for item in client.list(Slice, chunk_size=2):
+        assert item.metadata is not None
+        pages.append(item.metadata.name)
+    assert pages == [f"s{n}" for n in range(5)], "every item once, in order, across three pages"
+    listed = [path for method, path in standin.requests if method == "GET" and "/resourceslices?" in path]
+    assert len(listed) == 3 and "continue=" in listed[-1], listed
+
+    monkeypatch.setattr(kube, "LIST_PAGE", 2)
+    for n in range(5):
+        await standin.create("resourceclaims", {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                                "metadata": {"name": f"c{n}", "namespace": "ns"}}, "ns")
+    driver_api = kube.Kube(load_config(tmp_path / "kubeconfig"))
+    try:
+        found = await driver_api.list_claims("ns", {"c0", "c4", "missing"})
+    finally:
+        await driver_api.close()
+    assert sorted(found) == ["c0", "c4"]
+    assert len([path for _, path in standin.requests if "/resourceclaims?" in path]) == 3, "in pages of two"
+    assert found["c0"].metadata.namespace == "ns"
 
 
 async def test_too_old_resource_version_is_gone(api: Api) -> None:

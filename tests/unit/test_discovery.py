@@ -9,10 +9,12 @@ from types import ModuleType
 import pytest
 
 from gpuppetti.config import ConfigError, VirtioSection
+from gpuppetti.daemon import describe
 from gpuppetti.discovery import BackendUnavailable, backends_for, discover
 from gpuppetti.discovery.drm import DrmBackend
 from gpuppetti.discovery.macos import parse_ioreg, parse_system_profiler
 from gpuppetti.discovery.nvml import NvmlBackend, normalise_bus_id, preload_host_library
+from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.model import Health, HealthEvent, Vendor
 from tests.fixtures import RADEON_VRAM, amd_machine, intel_machine, nvidia_machine, two_vendor_machine, virtio_vm
 from tests.helpers import FAKES, config_from
@@ -226,3 +228,12 @@ def test_the_host_nvml_library_is_loaded_by_path_under_a_host_root(tmp_path: Pat
     assert loaded == [str(library)]
     assert preload_host_library(Path("/"), loaded.append) is None, "on the host the loader finds it by name"
     assert len(loaded) == 1
+
+
+def test_the_found_line_names_a_few_gpus_and_counts_the_rest() -> None:
+    config = config_from("version: v1\nbackend: simulated\nsimulated:\n"
+                         "  gpus: [{model: M, vendor: apple, count: 1000}]\n")
+    gpus = SimulatedBackend(config.simulated).discover()
+    line = describe(gpus)
+    assert line.startswith("sim-apple-0 (M), sim-apple-1 (M)") and line.endswith(" and 992 more"), line
+    assert describe(gpus[:2]) == "sim-apple-0 (M), sim-apple-1 (M)"

@@ -46,7 +46,9 @@ def test_capacity_layout_is_one_shared_device_per_gpu_taken_in_the_partitions_si
 def test_capacity_layout_slices_are_small_and_counter_free() -> None:
     _, inventory = _setup("{slicing: partitions}", "{model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, "
                           "count: 8}")
-    [spec] = pool_content(inventory.snapshot, "node-a").specs
+    content = pool_content(inventory.snapshot, "node-a")
+    assert len(content.specs) == 1
+    spec = content.spec(0)
     assert "sharedCounters" not in spec and len(spec["devices"]) == 8
     device = spec["devices"][0]
     assert device["allowMultipleAllocations"] is True

@@ -2,13 +2,15 @@
 
 What a device advertises (its capacity, its counters) is the sharing layer's size of it; this module only says
 it in the API's words, with the attributes the GPU has and a taint where it is unhealthy. What many devices share
-(a GPU's attributes, a size's capacity) is built once and shared, not copied: a pool can hold 10,000 devices.
+(a GPU's attributes, a size's capacity) is built once per slice and shared, not copied; a slice's dicts live only
+until it is encoded (the kit's PoolContent): a pool can hold 10,000 devices.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -124,26 +126,35 @@ def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driv
 def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
     driver = snapshot.config.dra.driver_name
     pool = snapshot.pool
-    attributes: dict[str, dict[str, Attribute]] = {}
     shared = _Shared()
-    devices: list[Device] = []
-    for device in pool.devices.values():
-        gpu = snapshot.gpus[device.gpu_id]
-        if gpu.id not in attributes:
-            attributes[gpu.id] = _attributes(gpu)
-        devices.append(_device(device, gpu, attributes[gpu.id], driver, shared))
-    advanced = bool(pool.counter_sets) or any("taints" in body for body in devices)
+    advanced = bool(pool.counter_sets) or any(
+        snapshot.gpus[device.gpu_id].health is not Health.HEALTHY for device in pool.devices.values())
     per_slice = MAX_DEVICES_ADVANCED if advanced else MAX_DEVICES
-    specs: list[dict[str, Any]] = []
     # Counter sets live in slices of their own (required from Kubernetes 1.35, allowed in 1.34).
     counter_sets: list[CounterSet] = [{"name": c.name, "counters": _counters(c.counters)} for c in pool.counter_sets]
-    for start in range(0, len(counter_sets), MAX_COUNTER_SETS):
-        specs.append({"sharedCounters": counter_sets[start:start + MAX_COUNTER_SETS]})
-    for start in range(0, len(devices), per_slice):
-        specs.append({"devices": devices[start:start + per_slice]})
-    if not specs:
-        # An empty pool is still published, so that consumers see the node has none.
-        specs.append({"devices": []})
-    for spec in specs:
-        spec.update({"driver": driver, "nodeName": node})
-    return PoolContent(tuple(specs))
+    counter_specs = [{"sharedCounters": counter_sets[start:start + MAX_COUNTER_SETS]}
+                     for start in range(0, len(counter_sets), MAX_COUNTER_SETS)]
+
+    def device_specs() -> Iterator[dict[str, Any]]:
+        # A slice's devices at a time: only one slice's dicts are alive while the pool is encoded.
+        listed = list(pool.devices.values())
+        for start in range(0, len(listed), per_slice):
+            attributes: dict[str, dict[str, Attribute]] = {}
+            devices: list[Device] = []
+            for device in listed[start:start + per_slice]:
+                gpu = snapshot.gpus[device.gpu_id]
+                if gpu.id not in attributes:
+                    attributes[gpu.id] = _attributes(gpu)
+                devices.append(_device(device, gpu, attributes[gpu.id], driver, shared))
+            yield {"devices": devices}
+
+    def specs() -> Iterator[dict[str, Any]]:
+        empty = True
+        for spec in itertools.chain(counter_specs, device_specs()):
+            empty = False
+            yield {**spec, "driver": driver, "nodeName": node}
+        if empty:
+            # An empty pool is still published, so that consumers see the node has none.
+            yield {"devices": [], "driver": driver, "nodeName": node}
+
+    return PoolContent.of(specs())

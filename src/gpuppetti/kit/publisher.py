@@ -12,8 +12,10 @@ wrote (by resourceVersion), so an API server that normalises quantities cannot s
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,35 +28,53 @@ from gpuppetti.metrics import Metrics
 log = logging.getLogger(__name__)
 
 RETRY_MAX_S = 10.0
-# Slices written at once: enough to publish 10,000 devices in a few round trips, few enough for any API server.
-CONCURRENT_WRITES = 16
+# Slices written at once: each is held as dicts while it is written, so more would raise the driver's memory for
+# good (16 took it 3 MiB higher at 10,000 devices) and publish no sooner on a busy API server.
+CONCURRENT_WRITES = 4
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gpuppetti"}
 
 
 @dataclass(frozen=True)
 class PoolContent:
-    """The specs of a pool's slices, without the generation, so that a change can be told from a re-publish."""
+    """The specs of a pool's slices, without the generation, so that a change can be told from a re-publish.
 
-    specs: tuple[dict[str, Any], ...]
+    Each spec is held as compressed JSON, not as dicts: a driver holds its pool for its whole life, and 10,000
+    devices take 17 MB as dicts, 3.2 MB as JSON and 0.1 MB compressed (their devices differ in a few fields). A
+    spec becomes dicts again only while it is being written."""
+
+    specs: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, specs: Iterable[dict[str, Any]]) -> PoolContent:
+        # Level 1: nearly all of the saving, at a few milliseconds for 10,000 devices.
+        return cls(tuple(zlib.compress(json.dumps(spec, separators=(",", ":")).encode(), 1) for spec in specs))
+
+    def spec(self, number: int) -> dict[str, Any]:
+        found: dict[str, Any] = json.loads(zlib.decompress(self.specs[number]))
+        return found
 
 
 def slice_name(node: str, driver: str, number: int) -> str:
     return f"{node}-{driver}-{number}"
 
 
+def resource_slice(
+    content: PoolContent, number: int, node: str, driver: str, generation: int, owner: OwnerReference | None
+) -> ResourceSliceBody:
+    """The ``number``th slice to write, as an API body."""
+    metadata: SliceMeta = {"name": slice_name(node, driver, number), "labels": dict(MANAGED_BY)}
+    if owner is not None:
+        metadata["ownerReferences"] = [owner.body()]
+    pool = {"name": node, "generation": generation, "resourceSliceCount": len(content.specs)}
+    return {"apiVersion": RESOURCE_API, "kind": "ResourceSlice", "metadata": metadata,
+            "spec": {**content.spec(number), "pool": pool}}  # type: ignore[typeddict-item]
+
+
 def resource_slices(
     content: PoolContent, node: str, driver: str, generation: int, owner: OwnerReference | None
 ) -> list[ResourceSliceBody]:
-    """The slices to write, as API bodies. The devices are shared with ``content``, not copied."""
-    slices: list[ResourceSliceBody] = []
-    for number, spec in enumerate(content.specs):
-        metadata: SliceMeta = {"name": slice_name(node, driver, number), "labels": dict(MANAGED_BY)}
-        if owner is not None:
-            metadata["ownerReferences"] = [owner.body()]
-        pool = {"name": node, "generation": generation, "resourceSliceCount": len(content.specs)}
-        slices.append({"apiVersion": RESOURCE_API, "kind": "ResourceSlice", "metadata": metadata,
-                       "spec": {**spec, "pool": pool}})  # type: ignore[typeddict-item]
-    return slices
+    """Every slice of the pool, as API bodies."""
+    return [resource_slice(content, number, node, driver, generation, owner) for number in range(len(content.specs))]
 
 
 # What a pool holds on a node, from the inventory's snapshot: the driver's own.
@@ -145,24 +165,28 @@ class SlicePublisher:
             self.generation = max([self.generation, *known]) + 1
             self._content = content
             self._written.clear()
-        writes = []
-        for body in resource_slices(content, self.node, self.driver, self.generation, owner):
-            name = body["metadata"]["name"]
+        # (slice number, name, the resourceVersion it replaces; None to create it)
+        writes: list[tuple[int, str, str | None]] = []
+        for number in range(len(content.specs)):
+            name = slice_name(self.node, self.driver, number)
             current = existing.pop(name, None)
             if current is not None and self._written.get(name) == current.metadata.resource_version:
                 continue
-            if current is not None and current.metadata.resource_version:
-                body["metadata"]["resourceVersion"] = current.metadata.resource_version
-            writes.append((name, body, current is None))
+            writes.append((number, name, None if current is None else current.metadata.resource_version or ""))
         limit = asyncio.Semaphore(CONCURRENT_WRITES)
+        generation = self.generation
 
-        async def write(name: str, body: ResourceSliceBody, create: bool) -> None:
+        async def write(number: int, name: str, replaces: str | None) -> None:
             async with limit:
+                # Built here, under the limit: only the slices being written are ever held as dicts.
+                body = resource_slice(content, number, self.node, self.driver, generation, owner)
                 self._in_flight.add(name)
                 try:
-                    if create:
+                    if replaces is None:
                         version = await self._kube.create_slice(body)
                     else:
+                        if replaces:
+                            body["metadata"]["resourceVersion"] = replaces
                         version = await self._kube.replace_slice(name, body)
                 finally:
                     self._in_flight.discard(name)

@@ -26,7 +26,7 @@ CONSUMABLE_STEP: Mapping[str, Fraction] = MappingProxyType(
     {"share": Fraction(1, 1000), "cores": Fraction(1), "memory": Fraction(2**20)})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Capacity:
     """One capacity of a device; for a consumable device, also what a claim takes by default and the step."""
 
@@ -38,7 +38,7 @@ class Capacity:
     valid_values: tuple[Fraction, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PoolDevice:
     """One device of the pool: a whole GPU, or partition ``part`` of ``partitions`` equal ones."""
 

@@ -22,7 +22,7 @@ def replicas_for(entry: ReplicatedResource, gpu: Gpu) -> int:
 MAX_DEVICE_ID_LENGTH = 63
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unit:
     """An allocatable unit: a whole GPU, or one time-sliced replica of it, with its size.
 
