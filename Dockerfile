@@ -25,7 +25,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /wheels
 RUN python -m pip install --no-cache-dir --no-index /wheels/* && rm -rf /wheels \
- && python -c 'import sys, gpuppetti.vulkanlayer as v; m = [n for n in (v.LIBRARY, v.PROBE) if not (v.BUILT / n).is_file()]; sys.exit(f"the image lacks the Vulkan layer: {m}" if m else 0)'
+ && python -c 'import sys, gpuppetti.node.vulkanlayer as v; m = [n for n in (v.LIBRARY, v.PROBE) if not (v.BUILT / n).is_file()]; sys.exit(f"the image lacks the Vulkan layer: {m}" if m else 0)'
 ENV PYTHONUNBUFFERED=1
 EXPOSE 9400
 ENTRYPOINT ["gpuppetti"]

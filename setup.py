@@ -18,7 +18,7 @@ from setuptools.dist import Distribution
 
 ROOT = Path(__file__).resolve().parent
 NATIVE_SOURCE = ROOT / "native" / "vulkan-layer"
-# What the layer's build must leave in the package (src/gpuppetti/vulkanlayer.py reads these names).
+# What the layer's build must leave in the package (src/gpuppetti/node/vulkanlayer.py reads these names).
 NATIVE_FILES = ("libVkLayer_gpuppetti.so", "gpuppetti-vkinfo")
 
 

@@ -29,19 +29,19 @@ from rich.console import Console, RenderableType
 from rich.text import Text
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti.config import parse_config
+from gpuppetti.base.quantity import parse_bytes
+from gpuppetti.base.tables import Column, Prose, print_table
+from gpuppetti.commands.manifests import RESOURCES
+from gpuppetti.core.config import parse_config
+from gpuppetti.core.model import Health
 from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.inventory import Inventory
 from gpuppetti.kubelet.emulator import KubeletEmulator, PluginEndpoint
-from gpuppetti.manifests import RESOURCES
-from gpuppetti.metrics import Metrics
-from gpuppetti.model import Health
-from gpuppetti.quantity import parse_bytes
-from gpuppetti.sandbox import vulkan_icd
+from gpuppetti.kubelet.sandbox import vulkan_icd
+from gpuppetti.node.inventory import Inventory
+from gpuppetti.node.metrics import Metrics
+from gpuppetti.node.vulkanlayer import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.tables import Column, Prose, print_table
-from gpuppetti.vulkanlayer import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir
 from tests.standins.apiserver import ApiStandIn
 from tests.standins.dra_kubelet import ClaimKey, DraKubelet
 

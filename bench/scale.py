@@ -32,12 +32,12 @@ import aiohttp
 import yaml
 from rich.console import Console
 
-from gpuppetti.config import parse_config
+from gpuppetti.base.tables import Column, print_table
+from gpuppetti.core.config import parse_config
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.slices import pool_content
-from gpuppetti.inventory import Inventory
 from gpuppetti.kit.publisher import resource_slices
-from gpuppetti.tables import Column, print_table
+from gpuppetti.node.inventory import Inventory
 from tests.cluster.realnode import KIT, RealNode, machine_lock, why_not
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpuppetti.config import Config, parse_config
+from gpuppetti.core.config import Config, parse_config
 
 TWO_M3_MAX = """\
 version: v1

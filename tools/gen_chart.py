@@ -32,12 +32,12 @@ from pydantic import BaseModel, BeforeValidator, PlainValidator, WrapValidator
 from pydantic.alias_generators import to_camel
 
 import gpuppetti
-from gpuppetti import manifests
-from gpuppetti.config import Config
+from gpuppetti.commands import manifests
+from gpuppetti.core.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "gpuppetti"
-NOTE = "Rendered by tools/gen_chart.py from gpuppetti.manifests (`make deploy`). Edit the generator, not this."
+NOTE = "Rendered by tools/gen_chart.py from gpuppetti.commands.manifests (`make deploy`). Edit the generator, not this."
 # The chart's modes, named like deploy/base's directories, and the modes of `gpuppetti manifests --mode` they are.
 MODES: dict[str, manifests.Mode] = {"deviceplugin": "plugin", "dra": "dra"}
 
@@ -392,7 +392,7 @@ def config_schema() -> dict[str, Any]:
     return schema
 
 
-# An image's tag, and its digest, as container tools take them (gpuppetti.syntax's image reference).
+# An image's tag, and its digest, as container tools take them (gpuppetti.base.syntax's image reference).
 TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
 DIGEST = r"[a-z0-9]+([+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}"
 

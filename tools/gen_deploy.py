@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from gpuppetti import manifests
+from gpuppetti.commands import manifests
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "# Rendered by tools/gen_deploy.py from `gpuppetti manifests --mode {mode}`. Edit the generator, not this.\n"

@@ -7,7 +7,7 @@
  * dies and whatever PID namespace it runs in. A process that finds the budget spent looks for slots whose lock is
  * free and gives their memory back before it refuses.
  *
- * gpuppetti's daemons create the file (src/gpuppetti/vulkanlayer.py writes the same layout). The container can write
+ * gpuppetti's daemons create the file (src/gpuppetti/node/vulkanlayer.py writes the same layout). The container can write
  * it too: nothing read from it is trusted to be in range (arithmetic on it saturates or wraps, never overflows).
  */
 #ifndef GPUPPETTI_ACCOUNTING_H
@@ -43,9 +43,9 @@ struct acct_file {
 };
 
 _Static_assert(sizeof(struct acct_file) <= ACCT_FILE_SIZE, "the accounting layout outgrew its file");
-/* src/gpuppetti/vulkanlayer.py clears it there when it keeps a file across a restart (or a reboot). */
+/* src/gpuppetti/node/vulkanlayer.py clears it there when it keeps a file across a restart (or a reboot). */
 _Static_assert(offsetof(struct acct_file, not_before_ns) == 34976, "the daemons know not_before_ns's offset");
-/* src/gpuppetti/vulkanlayer.py reads it for /metrics. */
+/* src/gpuppetti/node/vulkanlayer.py reads it for /metrics. */
 _Static_assert(offsetof(struct acct_file, waited_ns) == 34984, "the daemons know waited_ns's offset");
 
 struct acct {

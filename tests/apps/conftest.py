@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti.vulkanlayer import LayerDir
+from gpuppetti.node.vulkanlayer import LayerDir
 from tests.apps.support import CannotRun, app_venv, python_image, why_not_here
 
 

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuppetti.model import ContainerEdits, Gpu, Vendor
-from gpuppetti.sandbox import PODMAN_FLAGS, RUN_FLAGS, VULKAN_IMAGE, PodmanSandbox
+from gpuppetti.core.model import ContainerEdits, Gpu, Vendor
+from gpuppetti.kubelet.sandbox import PODMAN_FLAGS, RUN_FLAGS, VULKAN_IMAGE, PodmanSandbox
+from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
 
 MIB = 2**20
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuppetti" / "apps"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti.model import ContainerEdits
-from gpuppetti.sandbox import podman_flags
-from gpuppetti.vulkanlayer import LayerDir
+from gpuppetti.core.model import ContainerEdits
+from gpuppetti.kubelet.sandbox import podman_flags
+from gpuppetti.node.vulkanlayer import LayerDir
 from tests.apps.conftest import can_run
 from tests.apps.support import (
     MIB,

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from gpuppetti.model import ContainerEdits
-from gpuppetti.sandbox import podman_flags
-from gpuppetti.vulkanlayer import LayerDir
+from gpuppetti.core.model import ContainerEdits
+from gpuppetti.kubelet.sandbox import podman_flags
+from gpuppetti.node.vulkanlayer import LayerDir
 from tests.apps.conftest import PythonApp
 from tests.apps.support import MIB, WGPU, bind, run, slice_edits, without_slices
 

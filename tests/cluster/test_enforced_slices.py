@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from gpuppetti.sandbox import VULKAN_IMAGE, PodmanSandbox, vulkan_icd
-from gpuppetti.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.kubelet.sandbox import VULKAN_IMAGE, PodmanSandbox, vulkan_icd
+from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
 from tests.cluster.realnode import RealNode, wait_for, write_config
 from tests.cluster.test_dra import classes, template
 from tests.cluster.test_dra import start as start_driver

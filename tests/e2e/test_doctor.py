@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from gpuppetti.core.model import DeviceNode, Gpu, Vendor
 from gpuppetti.doctor import vulkan, window
 from gpuppetti.doctor.result import Status
 from gpuppetti.kubelet.emulator import KubeletEmulator
-from gpuppetti.model import DeviceNode, Gpu, Vendor
-from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
+from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
 from tests.fixtures import FakeHost, amd_machine, virtio_vm
 from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli, short_tmpdir
 from tests.standins.cri import CriStandIn

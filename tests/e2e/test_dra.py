@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpuppetti import cdi
+from gpuppetti.core import cdi
 from tests.cdi_checks import spec_problems
 from tests.dra_support import DRIVER, NODE, Cluster
 from tests.helpers import TWO_M3_MAX

@@ -14,13 +14,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gpuppetti import cdi
+from gpuppetti.core import cdi
+from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator, Pod
-from gpuppetti.model import ContainerEdits, DeviceNode, Mount
-from gpuppetti.sandbox import PodmanSandbox
+from gpuppetti.kubelet.sandbox import PodmanSandbox
+from gpuppetti.node.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, LayerDir
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, LayerDir
 from tests.dra_support import DRIVER, Cluster
 from tests.e2e.test_vulkan_layer import SIMULATED, vkinfo, why_not_here
 from tests.helpers import PluginProcess, short_tmpdir

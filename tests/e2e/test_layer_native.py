@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti.sandbox import vulkan_icd
+from gpuppetti.kubelet.sandbox import vulkan_icd
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import pytest
 
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
-from gpuppetti.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
 from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli
 
 pytestmark = [pytest.mark.e2e,

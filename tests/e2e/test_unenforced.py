@@ -15,7 +15,7 @@ import pytest
 
 import gpuppetti
 from gpuppetti.kubelet.emulator import KubeletEmulator
-from gpuppetti.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
 from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli
 
 pytestmark = pytest.mark.e2e

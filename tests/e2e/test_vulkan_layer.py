@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from gpuppetti.model import ContainerEdits, Gpu, Vendor
-from gpuppetti.sandbox import VULKAN_IMAGE, PodmanSandbox, podman_flags, vulkan_icd
+from gpuppetti.core.model import ContainerEdits, Gpu, Vendor
+from gpuppetti.kubelet.sandbox import VULKAN_IMAGE, PodmanSandbox, podman_flags, vulkan_icd
+from gpuppetti.node.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, PROBE, LayerDir, manifest
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, PROBE, LayerDir, manifest
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti import cdi
+from gpuppetti.core import cdi
 from tests.dra_support import DRIVER, Cluster
 from tests.helpers import TWO_M3_MAX, DaemonProcess
 from tests.standins.dra_kubelet import ClaimKey

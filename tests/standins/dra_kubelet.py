@@ -28,8 +28,8 @@ from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as health
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpuppetti._proto.pluginregistration.v1 import api_pb2 as reg
 from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.kubelet.changes import Changes
-from gpuppetti.watch import Change, watch_directory
 from tests.standins.apiserver import ApiStandIn
 
 log = logging.getLogger(__name__)

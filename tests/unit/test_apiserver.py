@@ -1,5 +1,5 @@
 """The API stand-in behaves like an API server where clients depend on it, seen through the real client (lightkube,
-the one gpuppetti.kube uses)."""
+the one gpuppetti.node.kube uses)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from lightkube.resources.resource_v1 import ResourceClaim as Claim
 from lightkube.resources.resource_v1 import ResourceSlice as Slice
 from lightkube.types import PatchType
 
-from gpuppetti import kube
-from gpuppetti.kube import load_config
+from gpuppetti.node import kube
+from gpuppetti.node.kube import load_config
 from tests.standins.apiserver import ApiStandIn
 
 

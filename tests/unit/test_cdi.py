@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuppetti import cdi
-from gpuppetti.model import ContainerEdits, DeviceNode, Mount
+from gpuppetti.core import cdi
+from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 from tests.cdi_checks import spec_problems
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpuppetti import cdi
+from gpuppetti.core import cdi
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice, UnusableCheckpoint
 
 

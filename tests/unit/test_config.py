@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti.config import ConfigError, load_config, parse_config, resource_name_problem
+from gpuppetti.core.config import ConfigError, load_config, parse_config, resource_name_problem
 from tests.helpers import TWO_M3_MAX, config_from
 
 ISSUE_EXAMPLE = """\

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from gpuppetti.metrics import Metrics
+from gpuppetti.node.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -54,8 +54,7 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
 
 
 def test_the_daemonsets_ask_to_be_scraped_where_metrics_are_served() -> None:
-    from gpuppetti import manifests
-
+    from gpuppetti.commands import manifests
     for mode in ("plugin", "dra"):
         [daemonset] = [o for o in manifests.render(manifests.Options(mode=mode)) if o["kind"] == "DaemonSet"]
         annotations = daemonset["spec"]["template"]["metadata"]["annotations"]

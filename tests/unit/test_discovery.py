@@ -8,14 +8,14 @@ from types import ModuleType
 
 import pytest
 
-from gpuppetti.config import ConfigError, VirtioSection
-from gpuppetti.daemon import describe
+from gpuppetti.core.config import ConfigError, VirtioSection
+from gpuppetti.core.model import Health, HealthEvent, Vendor
 from gpuppetti.discovery import BackendUnavailable, backends_for, discover
 from gpuppetti.discovery.drm import DrmBackend
 from gpuppetti.discovery.macos import parse_ioreg, parse_system_profiler
 from gpuppetti.discovery.nvml import NvmlBackend, normalise_bus_id, preload_host_library
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.model import Health, HealthEvent, Vendor
+from gpuppetti.node.daemon import describe
 from tests.fixtures import RADEON_VRAM, amd_machine, intel_machine, nvidia_machine, two_vendor_machine, virtio_vm
 from tests.helpers import FAKES, config_from
 

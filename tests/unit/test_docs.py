@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from bench.scale import build_parser as scale_bench_parser
 from gpuppetti.cli.parser import build_parser
-from gpuppetti.config import Config, ConfigError, parse_config
+from gpuppetti.core.config import Config, ConfigError, parse_config
 from gpuppetti.dra import opaque
 from tests.helpers import fenced_blocks
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuppetti.base.nodepaths import CRI_SOCKETS
 from gpuppetti.cli.main import parse
 from gpuppetti.doctor.checks import _cri_candidates, runtime_checks
 from gpuppetti.doctor.result import Status
-from gpuppetti.nodepaths import CRI_SOCKETS
 from tests.helpers import short_tmpdir
 from tests.standins.cri import CriStandIn
 

@@ -5,10 +5,10 @@ import asyncio
 import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
+from gpuppetti.core.model import DeviceNode, Health
 from gpuppetti.deviceplugin.server import RequestError, edits_to_response, resolve_request
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.inventory import Inventory, Snapshot
-from gpuppetti.model import DeviceNode, Health
+from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.sharing.edits import container_edits
 from tests.helpers import TWO_M3_MAX, config_from
 

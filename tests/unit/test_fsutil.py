@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti import cdi
-from gpuppetti.fsutil import atomic_write, make_directory
+from gpuppetti.base.fsutil import atomic_write, make_directory
+from gpuppetti.core import cdi
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuppetti import manifests
-from gpuppetti.config import ConfigError, parse_config
+from gpuppetti.commands import manifests
+from gpuppetti.core.config import ConfigError, parse_config
 from tests.helpers import fenced_blocks, run_cli
 
 helm_python: Any = None

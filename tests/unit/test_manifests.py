@@ -12,8 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpuppetti import manifests
-from gpuppetti.config import DraSection, parse_config
+from gpuppetti.commands import manifests
+from gpuppetti.core.config import DraSection, parse_config
 from gpuppetti.dra import opaque
 from tests.helpers import run_cli
 

@@ -6,10 +6,10 @@ from fractions import Fraction
 
 import pytest
 
+from gpuppetti.core.model import Gpu
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.slices import pool_content
-from gpuppetti.inventory import Inventory
-from gpuppetti.model import Gpu
+from gpuppetti.node.inventory import Inventory
 from gpuppetti.sharing.pool import build_pool
 from gpuppetti.sharing.remarks import MAX_DEVICES_PER_NODE, pool_remarks
 from gpuppetti.sharing.shares import ShareError, claim_share

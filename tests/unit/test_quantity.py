@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from gpuppetti.quantity import format_bytes, parse_bytes, parse_quantity
+from gpuppetti.base.quantity import format_bytes, parse_bytes, parse_quantity
 
 
 @pytest.mark.parametrize(

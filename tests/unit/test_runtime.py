@@ -7,8 +7,8 @@ import contextlib
 
 import pytest
 
-from gpuppetti import runtime as runtime_module
-from gpuppetti.runtime import Runtime
+from gpuppetti.base import runtime as runtime_module
+from gpuppetti.base.runtime import Runtime
 
 
 async def test_a_failing_duty_stops_the_others_and_is_reported() -> None:

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpuppetti.config import ConfigError
+from gpuppetti.core.config import ConfigError
+from gpuppetti.core.model import Gpu
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.model import Gpu
 from gpuppetti.sharing.policy import preferred_allocation
 from gpuppetti.sharing.replicas import ResourcePlan, build_plan
 from tests.helpers import TWO_M3_MAX, config_from

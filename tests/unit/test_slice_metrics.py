@@ -12,12 +12,12 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from gpuppetti._proto.deviceplugin.v1beta1.api_pb2 import ContainerAllocateResponse
+from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
-from gpuppetti.metrics import Metrics
-from gpuppetti.model import Gpu, Vendor
+from gpuppetti.node.metrics import Metrics
+from gpuppetti.node.vulkanlayer import ACCT_WAITED_OFFSET, LayerDir
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import ACCT_WAITED_OFFSET, LayerDir
 from tests.helpers import short_tmpdir
 
 MIB = 2**20

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gpuppetti.demo import DemoError, driver_manifests, library_of, node_image, run_demo
-from gpuppetti.model import DeviceNode, Gpu, Vendor
-from gpuppetti.sandbox import BUSYBOX, PODMAN_FLAGS, RUN_FLAGS, VULKAN_LOADER
+from gpuppetti.commands.demo import DemoError, driver_manifests, library_of, node_image, run_demo
+from gpuppetti.core.model import DeviceNode, Gpu, Vendor
+from gpuppetti.kubelet.sandbox import BUSYBOX, PODMAN_FLAGS, RUN_FLAGS, VULKAN_LOADER
 from tests.fixtures import two_vendor_machine, virtio_vm
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from gpuppetti.config import parse_config
+from gpuppetti.core.config import parse_config
 from tests.venus import venusnode
 
 # What the guest kernel printed when an emulated VM here stopped moving, and when a task hung in virtio-gpu.

@@ -950,7 +950,7 @@ static const struct scenario scenarios[] = {
 
 static char accounting_dir[] = "/tmp/gpuppetti-harness-XXXXXX";
 
-/* A slice's accounting file, as the daemons write it (src/gpuppetti/vulkanlayer.py). */
+/* A slice's accounting file, as the daemons write it (src/gpuppetti/node/vulkanlayer.py). */
 static void make_accounting(void)
 {
     char path[sizeof accounting_dir + 32];

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 def main(argv: Sequence[str] | None = None) -> int:
     # First, before the imports that take most of a second: a SIGHUP during start-up must not end a daemon, and a
     # Ctrl-C must not print an import's traceback. Only here, so that importing the package installs nothing.
-    from gpuppetti import earlysignals
-
+    from gpuppetti.base import earlysignals
     earlysignals.install()
     from gpuppetti.cli.main import run
 

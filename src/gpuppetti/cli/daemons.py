@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from gpuppetti.cli.options import UsageError
 from gpuppetti.cli.status import EXIT_FAILURE, EXIT_OK, Failure
-from gpuppetti.config import ConfigError
+from gpuppetti.core.config import ConfigError
 
 if TYPE_CHECKING:
-    from gpuppetti.daemon import Sources
+    from gpuppetti.node.daemon import Sources
 
 
 def plugin(args: argparse.Namespace) -> int:
@@ -37,9 +37,9 @@ def dra(args: argparse.Namespace) -> int:
 
 
 def host_agent(args: argparse.Namespace) -> int:
+    from gpuppetti.base.webserver import parse_address
     from gpuppetti.hostagent import token
     from gpuppetti.hostagent.run import run_agent
-    from gpuppetti.webserver import parse_address
 
     path = args.token_file or token.default_token_path()
     try:
@@ -55,17 +55,17 @@ def host_agent(args: argparse.Namespace) -> int:
 
 
 def sources(args: argparse.Namespace) -> Sources:
-    from gpuppetti.daemon import Sources
+    from gpuppetti.node.daemon import Sources
 
     return Sources(args.config, args.backend, args.host_root, args.host_agent, args.host_agent_token_file)
 
 
 def run_daemon(main: Coroutine[Any, Any, None]) -> int:
     """Run a long-running command; a failure we expect becomes one clear line, not a traceback."""
+    from gpuppetti.base.runtime import StartupError
+    from gpuppetti.base.webserver import AddressError
     from gpuppetti.deviceplugin.lifecycle import SocketDirError
     from gpuppetti.discovery import BackendUnavailable
-    from gpuppetti.runtime import StartupError
-    from gpuppetti.webserver import AddressError
 
     expected = (SocketDirError, BackendUnavailable, StartupError, AddressError)
     try:

@@ -11,12 +11,12 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from gpuppetti import earlysignals
+from gpuppetti.base import earlysignals
 from gpuppetti.cli import daemons, tools
 from gpuppetti.cli.options import UsageError, apply_environment
 from gpuppetti.cli.parser import build_parser
 from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, Failure, fail
-from gpuppetti.config import ConfigError
+from gpuppetti.core.config import ConfigError
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "plugin": daemons.plugin,

@@ -5,11 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuppetti import __version__
-from gpuppetti.cli import values
-from gpuppetti.cli.options import Parser, option, switch
-from gpuppetti.config import BACKENDS, CONFIG_ENV
-from gpuppetti.manifests import DEFAULT_IMAGE, DEFAULT_NAMESPACE
-from gpuppetti.nodepaths import (
+from gpuppetti.base.nodepaths import (
     DEFAULT_CDI_DIR,
     DEFAULT_DEVICE_PLUGIN_DIR,
     DEFAULT_HTTP_ADDRESS,
@@ -17,6 +13,10 @@ from gpuppetti.nodepaths import (
     DEFAULT_REGISTRY_DIR,
     DEFAULT_VULKAN_LAYER_DIR,
 )
+from gpuppetti.cli import values
+from gpuppetti.cli.options import Parser, option, switch
+from gpuppetti.commands.manifests import DEFAULT_IMAGE, DEFAULT_NAMESPACE
+from gpuppetti.core.config import BACKENDS, CONFIG_ENV
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_AGENT_LISTEN = "127.0.0.1:9410"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from gpuppetti import earlysignals
+from gpuppetti.base import earlysignals
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

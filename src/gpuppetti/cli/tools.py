@@ -31,12 +31,12 @@ def console() -> Console:
 
 
 def discover(args: argparse.Namespace) -> int:
-    from gpuppetti.daemon import host_agent, load_and_discover, nothing_found
     from gpuppetti.discovery import BackendUnavailable, with_host_facts
-    from gpuppetti.inventory import Inventory
-    from gpuppetti.report import gpu_records, print_gpus
+    from gpuppetti.node.daemon import host_agent, load_and_discover, nothing_found
+    from gpuppetti.node.inventory import Inventory
+    from gpuppetti.node.report import gpu_records, print_gpus
+    from gpuppetti.node.vulkanlayer import BUILD_FIX, Enforcement, missing_files
     from gpuppetti.sharing.remarks import config_remarks
-    from gpuppetti.vulkanlayer import BUILD_FIX, Enforcement, missing_files
 
     url = getattr(args, "from")
     if url:
@@ -74,9 +74,9 @@ def discover(args: argparse.Namespace) -> int:
 
 
 def _discover_from(url: str, as_json: bool) -> int:
-    from gpuppetti.httpclient import FetchError, get
-    from gpuppetti.httpserver import GPUS_PATH
-    from gpuppetti.report import print_gpus, records_problem
+    from gpuppetti.base.httpclient import FetchError, get
+    from gpuppetti.node.httpserver import GPUS_PATH
+    from gpuppetti.node.report import print_gpus, records_problem
 
     target = url.rstrip("/") + GPUS_PATH
     try:
@@ -116,8 +116,8 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def manifests(args: argparse.Namespace) -> int:
-    from gpuppetti import manifests
-    from gpuppetti.config import load_config
+    from gpuppetti.commands import manifests
+    from gpuppetti.core.config import load_config
 
     if args.mode == "dra":
         for flag, given in (("--replicas", args.replicas is not None), ("--label-node", args.label_node)):
@@ -150,7 +150,7 @@ def manifests(args: argparse.Namespace) -> int:
 
 
 def top(args: argparse.Namespace) -> int:
-    from gpuppetti.top import TopError, fetch, render, watch
+    from gpuppetti.commands.top import TopError, fetch, render, watch
 
     url = getattr(args, "from")
     out = console()
@@ -174,7 +174,7 @@ def top(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     if args.image is not None and args.runtime is None:
         raise UsageError("--image is the image the sandbox runs: it needs --runtime podman")
-    from gpuppetti.demo import DemoError, run_demo
+    from gpuppetti.commands.demo import DemoError, run_demo
 
     try:
         code = asyncio.run(run_demo(args.config, console(), args.runtime, args.image, args.host_root, args.backend))

@@ -9,8 +9,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuppetti.syntax import dns_label_problem, dns_subdomain_problem, http_url_problem, image_problem
-from gpuppetti.webserver import AddressError, format_address, parse_address
+from gpuppetti.base.syntax import dns_label_problem, dns_subdomain_problem, http_url_problem, image_problem
+from gpuppetti.base.webserver import AddressError, format_address, parse_address
 
 Bad = argparse.ArgumentTypeError
 

@@ -11,8 +11,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from gpuppetti import cdi
-from gpuppetti.model import ContainerEdits, Gpu
+from gpuppetti.core import cdi
+from gpuppetti.core.model import ContainerEdits, Gpu
 
 KIND = cdi.DEFAULT_KIND
 

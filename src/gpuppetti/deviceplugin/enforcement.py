@@ -21,9 +21,9 @@ import grpc
 
 from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
-from gpuppetti.model import ContainerEdits
+from gpuppetti.core.model import ContainerEdits
+from gpuppetti.node.vulkanlayer import MAX_SLICES_READ, LayerDir, SliceUse
 from gpuppetti.sharing.budgets import Budget
-from gpuppetti.vulkanlayer import MAX_SLICES_READ, LayerDir, SliceUse
 
 log = logging.getLogger(__name__)
 

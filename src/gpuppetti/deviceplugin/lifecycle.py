@@ -28,21 +28,21 @@ from pathlib import Path
 
 import grpc
 
-from gpuppetti import cdi
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti.backoff import Backoff
+from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.fsutil import make_directory
+from gpuppetti.base.instancelock import InstanceLock
+from gpuppetti.base.nodepaths import KUBELET_SOCKET
+from gpuppetti.base.runtime import Runtime
+from gpuppetti.base.watch import Change, watch_directory
+from gpuppetti.core import cdi
 from gpuppetti.deviceplugin import cdispec
 from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.deviceplugin.server import DevicePluginService, too_big
-from gpuppetti.fsutil import make_directory
-from gpuppetti.instancelock import InstanceLock
-from gpuppetti.inventory import Inventory
 from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
 from gpuppetti.kit.registration import register_device_plugin
-from gpuppetti.metrics import Metrics
-from gpuppetti.nodepaths import KUBELET_SOCKET
-from gpuppetti.runtime import Runtime
-from gpuppetti.watch import Change, watch_directory
+from gpuppetti.node.inventory import Inventory
+from gpuppetti.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

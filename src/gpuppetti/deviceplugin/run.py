@@ -11,14 +11,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.daemon import Sources, reload, start_inventory, where_looked
+from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
-from gpuppetti.httpserver import READY_NOTE, HttpServer
-from gpuppetti.metrics import Metrics
-from gpuppetti.report import gpu_records, slice_records
-from gpuppetti.runtime import Runtime, StartupError
-from gpuppetti.vulkanlayer import install_layer
+from gpuppetti.node.daemon import Sources, reload, start_inventory, where_looked
+from gpuppetti.node.httpserver import READY_NOTE, HttpServer
+from gpuppetti.node.metrics import Metrics
+from gpuppetti.node.report import gpu_records, slice_records
+from gpuppetti.node.vulkanlayer import install_layer
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
 
     labelling = options.labelling
     if labelling is not None:
-        from gpuppetti.kube import ConfigError, Kube, load_config
-        from gpuppetti.labels import NodeLabeler
+        from gpuppetti.node.kube import ConfigError, Kube, load_config
+        from gpuppetti.node.labels import NodeLabeler
 
         try:
             config = load_config(labelling.kubeconfig)

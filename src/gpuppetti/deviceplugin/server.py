@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from gpuppetti import cdi
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
+from gpuppetti.core import cdi
+from gpuppetti.core.model import ContainerEdits, Health
 from gpuppetti.deviceplugin import cdispec
-from gpuppetti.inventory import Inventory, Snapshot
-from gpuppetti.metrics import Metrics
-from gpuppetti.model import ContainerEdits, Health
+from gpuppetti.node.inventory import Inventory, Snapshot
+from gpuppetti.node.metrics import Metrics
 from gpuppetti.sharing.budgets import Enforce, unit_budgets
 from gpuppetti.sharing.edits import container_edits
 from gpuppetti.sharing.policy import preferred_allocation

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from gpuppetti.config import Config
+from gpuppetti.core.config import Config
+from gpuppetti.core.model import Gpu, HealthEvent, Vendor
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.model import Gpu, HealthEvent, Vendor
 
 log = logging.getLogger(__name__)
 

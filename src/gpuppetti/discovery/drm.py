@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.config import VirtioSection
+from gpuppetti.core.config import VirtioSection
+from gpuppetti.core.model import DeviceNode, Gpu, Vendor
 from gpuppetti.discovery.pciids import find_database, model_name
-from gpuppetti.model import DeviceNode, Gpu, Vendor
 
 log = logging.getLogger(__name__)
 PCI_VENDORS = {"10de": Vendor.NVIDIA, "1002": Vendor.AMD, "8086": Vendor.INTEL, "1af4": Vendor.VIRTIO}

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from gpuppetti.model import Gpu, Vendor
+from gpuppetti.core.model import Gpu, Vendor
 
 log = logging.getLogger(__name__)
 

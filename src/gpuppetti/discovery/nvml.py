@@ -14,8 +14,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from gpuppetti.core.model import DeviceNode, Gpu, Health, HealthEvent, Vendor
 from gpuppetti.discovery.drm import numa_node_of
-from gpuppetti.model import DeviceNode, Gpu, Health, HealthEvent, Vendor
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gpuppetti.config import SimulatedSection
-from gpuppetti.model import Gpu, Health, Vendor
+from gpuppetti.core.config import SimulatedSection
+from gpuppetti.core.model import Gpu, Health, Vendor
 
 
 class SimulatedBackend:

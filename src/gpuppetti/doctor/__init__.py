@@ -53,7 +53,7 @@ def print_checkup(console: Console, results: list[Result]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from gpuppetti.tables import print_trimmed
+    from gpuppetti.base.tables import print_trimmed
 
     grid = Table.grid(padding=(0, 1))
     grid.add_column(no_wrap=True)

@@ -15,18 +15,18 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.config import ConfigError
-from gpuppetti.daemon import Discovered, Sources, host_agent, load_and_discover, nothing_found
+from gpuppetti.base.httpclient import FetchError, get
+from gpuppetti.base.nodepaths import CRI_SOCKETS, KUBELET_SOCKET
+from gpuppetti.base.quantity import format_bytes
+from gpuppetti.core.config import ConfigError
 from gpuppetti.discovery import BackendUnavailable
 from gpuppetti.doctor import cri
 from gpuppetti.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.hostagent.client import AgentError
-from gpuppetti.httpclient import FetchError, get
-from gpuppetti.inventory import Inventory
-from gpuppetti.nodepaths import CRI_SOCKETS, KUBELET_SOCKET
-from gpuppetti.quantity import format_bytes
+from gpuppetti.node.daemon import Discovered, Sources, host_agent, load_and_discover, nothing_found
+from gpuppetti.node.inventory import Inventory
+from gpuppetti.node.vulkanlayer import BUILD_FIX, BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, missing_files
 from gpuppetti.sharing.remarks import config_remarks
-from gpuppetti.vulkanlayer import BUILD_FIX, BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, missing_files
 
 SOCKET_TIMEOUT_S = 2.0
 # Where distributions put the Vulkan loader, and where the loader looks for drivers (ICD manifests).

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuppetti.base.processes import run_within
+from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.doctor.result import Result, ok, skip, warn
-from gpuppetti.model import Gpu, Vendor
-from gpuppetti.processes import run_within
-from gpuppetti.vulkanlayer import BUILT, DISABLE_ENV, PROBE
+from gpuppetti.node.vulkanlayer import BUILT, DISABLE_ENV, PROBE
 
 CHECK = "Vulkan driver"
 # Creating a Vulkan instance loads every installed driver: seconds in an emulated VM.

@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuppetti.base.quantity import format_bytes
+from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.doctor.result import Result, ok, skip, warn
-from gpuppetti.model import Gpu, Vendor
-from gpuppetti.quantity import format_bytes
 
 CHECK = "virtio-gpu window"
 FEATURES = "virtio-gpu-features"

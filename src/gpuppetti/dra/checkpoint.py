@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
-from gpuppetti.fsutil import atomic_write
+from gpuppetti.base.fsutil import atomic_write
 
 log = logging.getLogger(__name__)
 

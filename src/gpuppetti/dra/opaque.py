@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from gpuppetti.config import Bytes
-from gpuppetti.kubeobjects import DeviceConfig
-from gpuppetti.strict import Strict, problems
+from gpuppetti.base.strict import Strict, problems
+from gpuppetti.core.config import Bytes
+from gpuppetti.core.kubeobjects import DeviceConfig
 
 API_VERSION = "gpu.gpuppetti.dev/v1alpha1"
 KIND = "GpuConfig"

@@ -20,11 +20,11 @@ from gpuppetti._proto.dra.v1beta1 import api_pb2 as v1beta1
 from gpuppetti._proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as health
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from gpuppetti.core.model import Health
 from gpuppetti.dra.checkpoint import PreparedDevice
 from gpuppetti.dra.state import ClaimRef, DraState, PrepareError
-from gpuppetti.inventory import Inventory, Snapshot
-from gpuppetti.metrics import Metrics
-from gpuppetti.model import Health
+from gpuppetti.node.inventory import Inventory, Snapshot
+from gpuppetti.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

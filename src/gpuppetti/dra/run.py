@@ -14,26 +14,26 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti import cdi
-from gpuppetti.backoff import Backoff
-from gpuppetti.daemon import Sources, reload, start_inventory
+from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.fsutil import make_directory
+from gpuppetti.base.instancelock import InstanceLock
+from gpuppetti.base.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
+from gpuppetti.base.runtime import Runtime, StartupError
+from gpuppetti.base.watch import Change, watch_directory
+from gpuppetti.core import cdi
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
 from gpuppetti.dra.plugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
 from gpuppetti.dra.slices import pool_content
 from gpuppetti.dra.state import DraState
-from gpuppetti.fsutil import make_directory
-from gpuppetti.httpserver import READY_NOTE, HttpServer
-from gpuppetti.instancelock import InstanceLock
 from gpuppetti.kit.endpoint import UnixEndpoint
 from gpuppetti.kit.publisher import SlicePublisher
 from gpuppetti.kit.registration import PluginRegistration, serve_and_register
-from gpuppetti.kube import REQUEST_TIMEOUT_S, ConfigError, Kube, load_config
-from gpuppetti.metrics import Metrics
-from gpuppetti.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
-from gpuppetti.report import gpu_records, slice_records
-from gpuppetti.runtime import Runtime, StartupError
-from gpuppetti.vulkanlayer import install_layer
-from gpuppetti.watch import Change, watch_directory
+from gpuppetti.node.daemon import Sources, reload, start_inventory
+from gpuppetti.node.httpserver import READY_NOTE, HttpServer
+from gpuppetti.node.kube import REQUEST_TIMEOUT_S, ConfigError, Kube, load_config
+from gpuppetti.node.metrics import Metrics
+from gpuppetti.node.report import gpu_records, slice_records
+from gpuppetti.node.vulkanlayer import install_layer
 
 log = logging.getLogger(__name__)
 

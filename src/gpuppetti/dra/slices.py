@@ -15,9 +15,8 @@ from fractions import Fraction
 from typing import Any
 
 from gpuppetti import __version__
-from gpuppetti.inventory import Snapshot
-from gpuppetti.kit.publisher import PoolContent
-from gpuppetti.kubeobjects import (
+from gpuppetti.base.quantity import format_quantity
+from gpuppetti.core.kubeobjects import (
     Attribute,
     Counter,
     CounterSet,
@@ -25,8 +24,9 @@ from gpuppetti.kubeobjects import (
     DeviceCapacity,
     Taint,
 )
-from gpuppetti.model import Gpu, Health
-from gpuppetti.quantity import format_quantity
+from gpuppetti.core.model import Gpu, Health
+from gpuppetti.kit.publisher import PoolContent
+from gpuppetti.node.inventory import Snapshot
 from gpuppetti.sharing.pool import Capacity, PoolDevice
 
 MAX_DEVICES = 128

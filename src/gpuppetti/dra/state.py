@@ -20,19 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from gpuppetti import cdi
+from gpuppetti.base.fsutil import remove_file
+from gpuppetti.base.syntax import DNS_LABEL, UID, is_dns_subdomain
+from gpuppetti.core import cdi
+from gpuppetti.core.kubeobjects import ResourceClaim
+from gpuppetti.core.model import ContainerEdits, Health
 from gpuppetti.dra import opaque
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice
-from gpuppetti.fsutil import remove_file
-from gpuppetti.inventory import Inventory, Snapshot
-from gpuppetti.kube import ApiError, NotFound
-from gpuppetti.kubeobjects import ResourceClaim
-from gpuppetti.model import ContainerEdits, Health
+from gpuppetti.node.inventory import Inventory, Snapshot
+from gpuppetti.node.kube import ApiError, NotFound
+from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
 from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
-from gpuppetti.syntax import DNS_LABEL, UID, is_dns_subdomain
-from gpuppetti.vulkanlayer import LayerDir, SliceUse
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from gpuppetti.base.httpclient import FetchError, get
 from gpuppetti.discovery import HostFacts
 from gpuppetti.hostagent import API_PATH
-from gpuppetti.httpclient import FetchError, get
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.hostagent.server import Collector, HostAgent
-from gpuppetti.runtime import Runtime, StartupError
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gpuppetti import __version__
+from gpuppetti.base.webserver import Answer, Server
 from gpuppetti.discovery.macos import IOREG, SYSCTL_MEMSIZE, MacosBackend, metal_working_set, parse_ioreg, run_command
 from gpuppetti.hostagent import API_PATH
 from gpuppetti.hostagent.token import matches
-from gpuppetti.webserver import Answer, Server
 
 log = logging.getLogger(__name__)
 

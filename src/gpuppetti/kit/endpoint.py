@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from gpuppetti.grpcutil import new_server
+from gpuppetti.base.grpcutil import new_server
 
 log = logging.getLogger(__name__)
 

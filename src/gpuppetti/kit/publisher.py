@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuppetti.backoff import Backoff
-from gpuppetti.inventory import Inventory, Snapshot
-from gpuppetti.kube import ApiError, Kube
-from gpuppetti.kubeobjects import RESOURCE_API, OwnerReference, ResourceSliceBody, SliceMeta
-from gpuppetti.metrics import Metrics
+from gpuppetti.base.backoff import Backoff
+from gpuppetti.core.kubeobjects import RESOURCE_API, OwnerReference, ResourceSliceBody, SliceMeta
+from gpuppetti.node.inventory import Inventory, Snapshot
+from gpuppetti.node.kube import ApiError, Kube
+from gpuppetti.node.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

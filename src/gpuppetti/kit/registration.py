@@ -19,7 +19,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as dp
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from gpuppetti._proto.pluginregistration.v1 import api_pb2 as reg
 from gpuppetti._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from gpuppetti.backoff import Backoff
+from gpuppetti.base.backoff import Backoff
 from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti._proto.podresources.v1 import api_pb2 as podresources
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as podresources_grpc
-from gpuppetti.config import resource_name_problem
+from gpuppetti.base.nodepaths import KUBELET_SOCKET
+from gpuppetti.core.config import resource_name_problem
 from gpuppetti.kubelet.changes import Changes
-from gpuppetti.nodepaths import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)
 

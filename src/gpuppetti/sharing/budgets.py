@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from gpuppetti.model import Gpu, Vendor
+from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.sharing.replicas import Unit
 from gpuppetti.sharing.shares import Share
 

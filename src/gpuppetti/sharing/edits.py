@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpuppetti.model import ContainerEdits, Gpu, Mount, Vendor
-from gpuppetti.quantity import format_quantity
+from gpuppetti.base.quantity import format_quantity
+from gpuppetti.core.model import ContainerEdits, Gpu, Mount, Vendor
 from gpuppetti.sharing.replicas import Unit
 from gpuppetti.sharing.shares import Share
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from gpuppetti.config import AllocationPolicy
+from gpuppetti.core.config import AllocationPolicy
 from gpuppetti.sharing.replicas import ResourcePlan, Unit
 
 

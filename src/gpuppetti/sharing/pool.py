@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
 
-from gpuppetti.config import DraSection
-from gpuppetti.model import Gpu
+from gpuppetti.core.config import DraSection
+from gpuppetti.core.model import Gpu
 from gpuppetti.sharing.size import Size, part_size
 
 # The smallest amount of each capacity a consumable claim can take, and the step it takes it in.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpuppetti.config import Config, DraSection
-from gpuppetti.model import Gpu
+from gpuppetti.core.config import Config, DraSection
+from gpuppetti.core.model import Gpu
 from gpuppetti.sharing.pool import build_pool
 from gpuppetti.sharing.replicas import Remark, plan_remarks
 

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from gpuppetti.config import ConfigError, ReplicatedResource, TimeSlicing, resource_name_problem
-from gpuppetti.model import Gpu
+from gpuppetti.core.config import ConfigError, ReplicatedResource, TimeSlicing, resource_name_problem
+from gpuppetti.core.model import Gpu
 from gpuppetti.sharing.size import Size
 
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from gpuppetti.model import Gpu, Vendor
-from gpuppetti.quantity import parse_quantity
+from gpuppetti.base.quantity import parse_quantity
+from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.sharing.pool import PoolDevice, partition_counts
 from gpuppetti.sharing.size import Size
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
 
-from gpuppetti.model import Gpu
+from gpuppetti.core.model import Gpu
 
 
 @dataclass(frozen=True)

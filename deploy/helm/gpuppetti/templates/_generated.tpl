@@ -1,4 +1,4 @@
-{{- /* Rendered by tools/gen_chart.py from gpuppetti.manifests (`make deploy`). Edit the generator, not this. */ -}}
+{{- /* Rendered by tools/gen_chart.py from gpuppetti.commands.manifests (`make deploy`). Edit the generator, not this. */ -}}
 
 {{/* The node label that says which mode a node runs, and this mode's value of it. */}}
 {{- define "gpuppetti.modeLabel" -}}gpuppetti.dev/mode{{- end }}

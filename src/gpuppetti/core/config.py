@@ -15,11 +15,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
-from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Health, Vendor
-from gpuppetti.nodepaths import DEFAULT_HOST_AGENT_TOKEN_FILE
-from gpuppetti.quantity import parse_bytes, parse_duration
-from gpuppetti.strict import Strict, problems
-from gpuppetti.syntax import DNS_SUBDOMAIN, http_url_problem
+from gpuppetti.base.nodepaths import DEFAULT_HOST_AGENT_TOKEN_FILE
+from gpuppetti.base.quantity import parse_bytes, parse_duration
+from gpuppetti.base.strict import Strict, problems
+from gpuppetti.base.syntax import DNS_SUBDOMAIN, http_url_problem
+from gpuppetti.core.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Health, Vendor
 
 CONFIG_ENV = "GPUPPETTI_CONFIG"
 SUPPORTED_VERSIONS = ("v1",)

@@ -7,13 +7,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.config import Config, ConfigError, load_config
+from gpuppetti.base.runtime import StartupError
+from gpuppetti.core.config import Config, ConfigError, load_config
+from gpuppetti.core.model import Gpu
 from gpuppetti.discovery import Backend, BackendUnavailable, HostFacts, backends_for, discover, looked_at
 from gpuppetti.hostagent.client import HostAgentSource
-from gpuppetti.inventory import Inventory
-from gpuppetti.model import Gpu
-from gpuppetti.monitor import HealthMonitor
-from gpuppetti.runtime import StartupError
+from gpuppetti.node.inventory import Inventory
+from gpuppetti.node.monitor import HealthMonitor
 from gpuppetti.sharing.remarks import config_remarks
 
 __all__ = ["Discovered", "Sources", "StartupError", "load_and_discover", "reload", "start_inventory"]

@@ -8,8 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from gpuppetti.metrics import Metrics
-from gpuppetti.webserver import AddressError, Answer, Server, parse_address
+from gpuppetti.base.webserver import AddressError, Answer, Server, parse_address
+from gpuppetti.node.metrics import Metrics
 
 __all__ = ["READY_NOTE", "AddressError", "HttpServer", "parse_address"]
 

@@ -6,9 +6,9 @@ import asyncio
 import logging
 import re
 
-from gpuppetti.backoff import Backoff
-from gpuppetti.inventory import Inventory, Snapshot
-from gpuppetti.kube import ApiError, Kube
+from gpuppetti.base.backoff import Backoff
+from gpuppetti.node.inventory import Inventory, Snapshot
+from gpuppetti.node.kube import ApiError, Kube
 from gpuppetti.sharing.edits import sharing_mode
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.fsutil import atomic_write, create_file, make_directory, read_untrusted, read_untrusted_spans
-from gpuppetti.model import ContainerEdits, Mount
+from gpuppetti.base.fsutil import atomic_write, create_file, make_directory, read_untrusted, read_untrusted_spans
+from gpuppetti.core.model import ContainerEdits, Mount
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ ALLOCATIONS = "allocations"
 UNITS = "units"
 UNITS_LIMIT = 1 << 20
 # Where the built layer is, inside the package.
-BUILT = Path(__file__).resolve().parent / "_native"
+BUILT = Path(__file__).resolve().parent.parent / "_native"
 
 # Inside the container.
 CONTAINER_MANIFEST = f"/etc/vulkan/implicit_layer.d/{MANIFEST}"

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
-from gpuppetti.config import parse_config
-from gpuppetti.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Vendor
-from gpuppetti.nodepaths import DEFAULT_VULKAN_LAYER_DIR
+from gpuppetti.base.nodepaths import DEFAULT_VULKAN_LAYER_DIR
+from gpuppetti.core.config import parse_config
+from gpuppetti.core.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Vendor
 
 Mode = Literal["plugin", "dra"]
 DEFAULT_NAMESPACE = "gpuppetti"

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuppetti.fsutil import atomic_write, make_directory, remove_file
-from gpuppetti.model import ContainerEdits
+from gpuppetti.base.fsutil import atomic_write, make_directory, remove_file
+from gpuppetti.core.model import ContainerEdits
 
 DEFAULT_KIND = "gpu.gpuppetti.dev/gpu"
 VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")

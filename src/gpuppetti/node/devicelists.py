@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti.model import Gpu
+from gpuppetti.core.model import Gpu
 from gpuppetti.sharing.replicas import ResourcePlan, Unit
 
 _BlockKey = tuple[str, str, int | None, tuple[str, ...]]

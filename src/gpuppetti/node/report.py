@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpuppetti.inventory import Snapshot
-from gpuppetti.metrics import SLICE_LABELS, SliceUses
-from gpuppetti.model import Gpu
-from gpuppetti.quantity import format_bytes
+from gpuppetti.base.quantity import format_bytes
+from gpuppetti.core.model import Gpu
+from gpuppetti.node.inventory import Snapshot
+from gpuppetti.node.metrics import SLICE_LABELS, SliceUses
 
 if TYPE_CHECKING:
     # The daemons serve records, never tables: rich is loaded by the commands that print.
@@ -89,7 +89,7 @@ def records_problem(records: Any) -> str | None:
 
 
 def print_gpus(console: Console, records: list[dict[str, Any]], title: str = "GPUs") -> None:
-    from gpuppetti.tables import Column, Prose, print_table
+    from gpuppetti.base.tables import Column, Prose, print_table
 
     # The order of the columns; their ranks say which go first when the width is short.
     columns = [Column("GPU"), Column("model", 9), Column("resource", 8), Column("slices", 6, "right"),

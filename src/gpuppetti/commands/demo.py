@@ -25,19 +25,18 @@ from pathlib import Path
 from rich.console import Console, RenderableType
 from rich.text import Text
 
-from gpuppetti import cdi
-from gpuppetti.config import Config, load_config, parse_config
+from gpuppetti.base.processes import run_within
+from gpuppetti.base.quantity import format_bytes
+from gpuppetti.base.runtime import Runtime
+from gpuppetti.base.tables import Column, Prose, print_table, print_trimmed
+from gpuppetti.core import cdi
+from gpuppetti.core.config import Config, load_config, parse_config
+from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.discovery import BackendUnavailable, backends_for, discover, looked_at
-from gpuppetti.inventory import Inventory, Snapshot
 from gpuppetti.kubelet.emulator import AdmissionError, ContainerAllocation, KubeletEmulator, Pod
-from gpuppetti.model import Gpu, Vendor
-from gpuppetti.processes import run_within
-from gpuppetti.quantity import format_bytes
-from gpuppetti.report import gpu_records, print_gpus
-from gpuppetti.runtime import Runtime
-from gpuppetti.sandbox import (
+from gpuppetti.kubelet.sandbox import (
     BUSYBOX,
     PODMAN_FLAGS,
     VULKAN_LOADER,
@@ -46,9 +45,10 @@ from gpuppetti.sandbox import (
     Seen,
     linked_libraries,
 )
+from gpuppetti.node.inventory import Inventory, Snapshot
+from gpuppetti.node.report import gpu_records, print_gpus
+from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, Enforcement, install_layer
 from gpuppetti.sharing.remarks import config_remarks
-from gpuppetti.tables import Column, Prose, print_table, print_trimmed
-from gpuppetti.vulkanlayer import BUILT, LIBRARY, PROBE, Enforcement, install_layer
 
 DEFAULT_DEMO_CONFIG = """\
 version: v1

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from gpuppetti.config import Config
-from gpuppetti.devicelists import DeviceListEncoder
-from gpuppetti.model import Gpu, Health
+from gpuppetti.core.config import Config
+from gpuppetti.core.model import Gpu, Health
+from gpuppetti.node.devicelists import DeviceListEncoder
 from gpuppetti.sharing.pool import Pool, build_pool
 from gpuppetti.sharing.replicas import ResourcePlan, build_plan
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti.model import ContainerEdits, DeviceNode, Mount
-from gpuppetti.processes import run_within
+from gpuppetti.base.processes import run_within
+from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 
 BUSYBOX_IMAGE = "localhost/gpuppetti-sandbox:busybox"
 VULKAN_IMAGE = "localhost/gpuppetti-sandbox:vulkan"

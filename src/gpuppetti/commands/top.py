@@ -18,11 +18,11 @@ from typing import Any
 from rich.console import Console, Group, RenderableType
 from rich.text import Text
 
-from gpuppetti.httpclient import FetchError, get
-from gpuppetti.httpserver import GPUS_PATH, SLICES_PATH
-from gpuppetti.quantity import format_bytes
-from gpuppetti.report import records_problem
-from gpuppetti.tables import Column, fit
+from gpuppetti.base.httpclient import FetchError, get
+from gpuppetti.base.quantity import format_bytes
+from gpuppetti.base.tables import Column, fit
+from gpuppetti.node.httpserver import GPUS_PATH, SLICES_PATH
+from gpuppetti.node.report import records_problem
 
 BAR_WIDTH = 10
 

@@ -26,7 +26,7 @@ from lightkube.resources.core_v1 import Node as _Node
 from lightkube.types import PatchType
 from pydantic import ValidationError
 
-from gpuppetti.kubeobjects import Node, ResourceClaim, ResourceSlice, ResourceSliceBody
+from gpuppetti.core.kubeobjects import Node, ResourceClaim, ResourceSlice, ResourceSliceBody
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from gpuppetti import earlysignals
+from gpuppetti.base import earlysignals
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from gpuppetti.config import ConfigError
+from gpuppetti.core.config import ConfigError
+from gpuppetti.core.model import Gpu, Health, HealthEvent
 from gpuppetti.discovery import Backend, EventSource, discover
 from gpuppetti.hostagent.client import HostAgentSource
-from gpuppetti.inventory import Inventory
-from gpuppetti.model import Gpu, Health, HealthEvent
+from gpuppetti.node.inventory import Inventory
 
 log = logging.getLogger(__name__)
 
