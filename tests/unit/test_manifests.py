@@ -155,6 +155,23 @@ def test_broken_config_is_refused(tmp_path: Path) -> None:
     assert f"{bad}: sharing.timeSlicing.resources[0].name" in result.stderr
 
 
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--image-pull-policy", "always", "'always': must be one of Always, IfNotPresent, Never"),
+    ("--node-selector", "pool", "'pool': expected KEY=VALUE"),
+    ("--node-selector", "pool=has space", "is not a label value"),
+    ("--node-selector", "x_=y", "is not a label key"),
+    ("--toleration", "dedicated=gpu:NoRun", "the effect after ':' must be one of NoSchedule, PreferNoSchedule"),
+    ("--requests", "gpu=1", "expected cpu=QUANTITY and/or memory=QUANTITY"),
+    ("--limits", "memory=lots", "memory=lots: expected a positive quantity"),
+    ("--vulkan-layer-dir", "relative/dir", "must be an absolute path on the node"),
+])
+def test_a_bad_flag_is_one_line_naming_it(flag: str, value: str, message: str) -> None:
+    result = run_cli("manifests", flag, value)
+    assert result.returncode == 2 and not result.stdout
+    [line] = result.stderr.strip().splitlines()[-1:]
+    assert flag in line and message in line, result.stderr
+
+
 @pytest.mark.parametrize("path", sorted((DEPLOY / "examples").rglob("*.yaml")), ids=lambda p: p.name)
 def test_examples_validate(path: Path) -> None:
     _validate([o for o in yaml.safe_load_all(path.read_text()) if o])

@@ -53,6 +53,27 @@ def http_url_problem(text: str) -> str | None:
     return None
 
 
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def label_key_problem(text: str) -> str | None:
+    """Why ``text`` is not a label key ([prefix/]name, as Kubernetes checks it); None when it is."""
+    prefix, _, name = text.rpartition("/")
+    if prefix and not is_dns_subdomain(prefix):
+        return f"its prefix {prefix!r} must be a DNS subdomain"
+    if not _LABEL_NAME.match(name):
+        return "is not a label key: at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter " \
+               "or digit, after an optional DNS-subdomain prefix and '/'"
+    return None
+
+
+def label_value_problem(text: str) -> str | None:
+    if text and not _LABEL_NAME.match(text):
+        return "is not a label value: empty, or at most 63 letters, digits, '-', '_' and '.', starting and ending " \
+               "with a letter or digit"
+    return None
+
+
 def image_problem(text: str) -> str | None:
     if not text:
         return "must not be empty"

@@ -101,6 +101,12 @@ def _quoting(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return checked
 
 
+def repeated(parser: Parser, flag: str, help: str, convert: Callable[[str], Any], metavar: str) -> None:
+    """A flag that may be given more than once: its values, in order (an empty list when it is not given)."""
+    parser.add_argument(flag, type=_quoting(convert), action="append", default=[], help=f"{help} (repeatable)",
+                        metavar=metavar)
+
+
 def switch(parser: Parser, flag: str, help: str, env: str | None = None) -> None:
     """An on/off flag; its env var must say ``true`` or ``false``."""
     text = f"{help} (env {env}=true)" if env else help

@@ -14,8 +14,8 @@ from gpuppetti.base.nodepaths import (
     DEFAULT_VULKAN_LAYER_DIR,
 )
 from gpuppetti.cli import values
-from gpuppetti.cli.options import Parser, option, switch
-from gpuppetti.commands.manifests import DEFAULT_IMAGE, DEFAULT_NAMESPACE
+from gpuppetti.cli.options import Parser, option, repeated, switch
+from gpuppetti.commands.manifests import DEFAULT_IMAGE, DEFAULT_NAMESPACE, RESOURCES
 from gpuppetti.core.config import BACKENDS, CONFIG_ENV
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -51,6 +51,10 @@ def _http(parser: Parser) -> None:
 def _cdi_dir(parser: Parser, what: str) -> None:
     option(parser, "--cdi-dir", env="GPUPPETTI_CDI_DIR", convert=values.path, default=DEFAULT_CDI_DIR,
            metavar="DIR", help=what)
+
+
+def _resources(kind: str) -> str:
+    return ",".join(f"{name}={quantity}" for name, quantity in RESOURCES[kind].items())
 
 
 def _vulkan_layer_dir(parser: Parser) -> None:
@@ -224,6 +228,24 @@ def build_parser() -> Parser:
            help="the namespace to run in")
     manifests.add_argument("--label-node", action="store_true",
                            help="device plugin: label each node with its GPU, with the RBAC to patch Nodes")
+    option(manifests, "--image-pull-policy", convert=values.choice("Always", "IfNotPresent", "Never"),
+           metavar="POLICY", shown_default="Kubernetes' own: IfNotPresent, or Always for :latest",
+           help="when the kubelet pulls the image: Always, IfNotPresent or Never")
+    repeated(manifests, "--node-selector", convert=values.label, metavar="KEY=VALUE",
+             help="run only on nodes with this label too, besides gpuppetti.dev/mode")
+    repeated(manifests, "--toleration", convert=values.toleration, metavar="KEY[=VALUE][:EFFECT]",
+             help="tolerate this taint (kubectl taint's syntax; no VALUE: any value, no EFFECT: every effect), "
+             "instead of the default tolerations (CriticalAddonsOnly and the GPU resources' NoSchedule taints)")
+    option(manifests, "--requests", convert=values.resource_list, metavar="cpu=Q,memory=Q",
+           default=values.UNGIVEN, shown_default=_resources("requests"),
+           help="what the daemon's container asks for, merged into the default (kubectl set resources' syntax); "
+           "none for nothing")
+    option(manifests, "--limits", convert=values.resource_list, metavar="cpu=Q,memory=Q",
+           default=values.UNGIVEN, shown_default=_resources("limits"),
+           help="what the daemon's container is held to, merged into the default; none for no limit")
+    option(manifests, "--vulkan-layer-dir", convert=values.host_directory, default=str(DEFAULT_VULKAN_LAYER_DIR),
+           metavar="DIR",
+           help="where the daemon installs the Vulkan layer on each node (a hostPath); '' turns enforcement off")
     source = manifests.add_mutually_exclusive_group()
     source.add_argument("--preset", type=values.choice("minikube-krunkit"), default=None, metavar="NAME",
                         help="a ready config: minikube-krunkit serves the VM's virtio-gpu as apple.com/gpu")

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from gpuppetti.cli import values
 from gpuppetti.cli.daemons import sources
 from gpuppetti.cli.options import UsageError
 from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Failure
@@ -132,14 +133,22 @@ def manifests(args: argparse.Namespace) -> int:
     elif args.config is not None:
         load_config(args.config)
         config_text = args.config.read_text(encoding="utf-8")
+    resources = manifests.merged_resources({kind: given for kind, given in
+                                            (("requests", args.requests), ("limits", args.limits))
+                                            if given is not values.UNGIVEN})
     options = manifests.Options(
         mode=args.mode,
         namespace=args.namespace,
         image=args.image,
+        image_pull_policy=args.image_pull_policy,
         config=config_text,
         replicas=args.replicas,
         label_node=args.label_node,
         node_selector=args.preset is None,
+        extra_node_selector=dict(args.node_selector),
+        vulkan_layer_dir=args.vulkan_layer_dir,
+        resources=resources,
+        **({"tolerations": args.toleration} if args.toleration else {}),
     )
     sys.stdout.write(manifests.to_yaml(manifests.render(options)))
     if options.node_selector:

@@ -9,10 +9,20 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuppetti.base.syntax import dns_label_problem, dns_subdomain_problem, http_url_problem, image_problem
+from gpuppetti.base.quantity import parse_quantity
+from gpuppetti.base.syntax import (
+    dns_label_problem,
+    dns_subdomain_problem,
+    http_url_problem,
+    image_problem,
+    label_key_problem,
+    label_value_problem,
+)
 from gpuppetti.base.webserver import AddressError, format_address, parse_address
 
 Bad = argparse.ArgumentTypeError
+# A flag's default where its converter may return None as a value of its own (--limits none).
+UNGIVEN = object()
 
 
 def choice(*allowed: str) -> Callable[[str], str]:
@@ -149,4 +159,57 @@ def namespace(text: str) -> str:
 def image(text: str) -> str:
     if (problem := image_problem(text)) is not None:
         raise Bad(problem)
+    return text
+
+
+def label(text: str) -> tuple[str, str]:
+    """KEY=VALUE, a node label to select by."""
+    key, equals, value = text.partition("=")
+    if not equals:
+        raise Bad("expected KEY=VALUE, such as kubernetes.io/arch=arm64")
+    if (problem := label_key_problem(key) or label_value_problem(value)) is not None:
+        raise Bad(problem)
+    return key, value
+
+
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def toleration(text: str) -> dict[str, str]:
+    """A toleration in kubectl taint's words: KEY[=VALUE][:EFFECT]; without a value it tolerates any value, without
+    an effect every effect."""
+    taint, colon, effect = text.partition(":")
+    key, equals, value = taint.partition("=")
+    if colon and effect not in TAINT_EFFECTS:
+        raise Bad(f"the effect after ':' must be one of {', '.join(TAINT_EFFECTS)}")
+    if (problem := label_key_problem(key) or label_value_problem(value)) is not None:
+        raise Bad(problem)
+    found = {"key": key, "operator": "Equal", "value": value} if equals else {"key": key, "operator": "Exists"}
+    if colon:
+        found["effect"] = effect
+    return found
+
+
+def resource_list(text: str) -> dict[str, str] | None:
+    """NAME=QUANTITY[,NAME=QUANTITY...], as kubectl set resources takes them; ``none`` for none at all."""
+    if text == "none":
+        return None
+    found: dict[str, str] = {}
+    for item in text.split(","):
+        name, equals, quantity = item.partition("=")
+        if not equals or name not in ("cpu", "memory"):
+            raise Bad("expected cpu=QUANTITY and/or memory=QUANTITY, comma-separated (cpu=50m,memory=128Mi), or none")
+        try:
+            if parse_quantity(quantity) <= 0:
+                raise ValueError
+        except ValueError:
+            raise Bad(f"{name}={quantity}: expected a positive quantity such as 50m or 128Mi") from None
+        found[name] = quantity
+    return found
+
+
+def host_directory(text: str) -> str:
+    """An absolute directory on the node, as a hostPath takes it; empty for none."""
+    if text and not text.startswith("/"):
+        raise Bad("must be an absolute path on the node, or '' for none")
     return text

@@ -48,6 +48,20 @@ TOLERATIONS: list[dict[str, str]] = [
 RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "10m", "memory": "64Mi"},
                                         "limits": {"cpu": "200m", "memory": "192Mi"}}
 
+
+
+def merged_resources(overrides: Mapping[str, Mapping[str, str] | None]) -> dict[str, dict[str, str]]:
+    """The default resources with ``overrides`` merged in as Helm merges values: a kind's quantities by name, and
+    None for a kind takes it out."""
+    merged = copy.deepcopy(RESOURCES)
+    for kind, quantities in overrides.items():
+        if quantities is None:
+            merged.pop(kind, None)
+        else:
+            merged.setdefault(kind, {}).update(quantities)
+    return merged
+
+
 PRESETS: dict[str, str] = {
     # minikube --driver krunkit on an Apple silicon Mac: the Mac's GPU is the VM's virtio-gpu (Vulkan via Venus).
     "minikube-krunkit": textwrap.dedent("""\
