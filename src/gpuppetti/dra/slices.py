@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -104,6 +104,11 @@ class _Shared:
         return found
 
 
+def _tainted(gpu: Gpu) -> bool:
+    """Whether the GPU's devices carry the unhealthy taint (and so go in the smaller slices that taints need)."""
+    return gpu.health is not Health.HEALTHY
+
+
 def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driver: str, shared: _Shared) -> Device:
     body: Device = {"name": device.name, "attributes": attributes, "capacity": shared.capacity(device.capacity)}
     if device.consumable:
@@ -117,7 +122,7 @@ def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driv
             own["partition"] = {"int": device.part}
         body["attributes"] = own
         body["consumesCounters"] = [{"counterSet": device.counter_set, "counters": shared.counters(device)}]
-    if gpu.health is not Health.HEALTHY:
+    if _tainted(gpu):
         taint: Taint = {"key": f"{driver}/{UNHEALTHY_TAINT}", "value": "true", "effect": "NoSchedule"}
         body["taints"] = [taint]
     return body
@@ -127,8 +132,7 @@ def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
     driver = snapshot.config.dra.driver_name
     pool = snapshot.pool
     shared = _Shared()
-    advanced = bool(pool.counter_sets) or any(
-        snapshot.gpus[device.gpu_id].health is not Health.HEALTHY for device in pool.devices.values())
+    advanced = bool(pool.counter_sets) or any(_tainted(snapshot.gpus[d.gpu_id]) for d in pool.devices.values())
     per_slice = MAX_DEVICES_ADVANCED if advanced else MAX_DEVICES
     # Counter sets live in slices of their own (required from Kubernetes 1.35, allowed in 1.34).
     counter_sets: list[CounterSet] = [{"name": c.name, "counters": _counters(c.counters)} for c in pool.counter_sets]
@@ -148,13 +152,8 @@ def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
                 devices.append(_device(device, gpu, attributes[gpu.id], driver, shared))
             yield {"devices": devices}
 
-    def specs() -> Iterator[dict[str, Any]]:
-        empty = True
-        for spec in itertools.chain(counter_specs, device_specs()):
-            empty = False
-            yield {**spec, "driver": driver, "nodeName": node}
-        if empty:
-            # An empty pool is still published, so that consumers see the node has none.
-            yield {"devices": [], "driver": driver, "nodeName": node}
-
-    return PoolContent.of(specs())
+    specs: Iterable[dict[str, Any]] = itertools.chain(counter_specs, device_specs())
+    if not counter_specs and not pool.devices:
+        # An empty pool is still published, so that consumers see the node has none.
+        specs = [{"devices": []}]
+    return PoolContent.of({**spec, "driver": driver, "nodeName": node} for spec in specs)

@@ -165,24 +165,25 @@ class SlicePublisher:
             self.generation = max([self.generation, *known]) + 1
             self._content = content
             self._written.clear()
-        # (slice number, name, the resourceVersion it replaces; None to create it)
-        writes: list[tuple[int, str, str | None]] = []
+        # (slice number, name, whether to create it, the resourceVersion it replaces)
+        writes: list[tuple[int, str, bool, str | None]] = []
         for number in range(len(content.specs)):
             name = slice_name(self.node, self.driver, number)
             current = existing.pop(name, None)
-            if current is not None and self._written.get(name) == current.metadata.resource_version:
+            version = None if current is None else current.metadata.resource_version
+            if current is not None and self._written.get(name) == version:
                 continue
-            writes.append((number, name, None if current is None else current.metadata.resource_version or ""))
+            writes.append((number, name, current is None, version))
         limit = asyncio.Semaphore(CONCURRENT_WRITES)
         generation = self.generation
 
-        async def write(number: int, name: str, replaces: str | None) -> None:
+        async def write(number: int, name: str, create: bool, replaces: str | None) -> None:
             async with limit:
                 # Built here, under the limit: only the slices being written are ever held as dicts.
                 body = resource_slice(content, number, self.node, self.driver, generation, owner)
                 self._in_flight.add(name)
                 try:
-                    if replaces is None:
+                    if create:
                         version = await self._kube.create_slice(body)
                     else:
                         if replaces:
