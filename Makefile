@@ -35,28 +35,26 @@ demo: $(STAMP) native
 	$(BIN)/gpuppetti demo
 	@echo "(gpuppetti is installed in $(BIN): '. $(BIN)/activate' puts the gpuppetti command on your PATH)"
 
-# The tests start the daemons as hundreds of processes: their modules are compiled once here, not in each of them
+# Where a test starts daemons as processes of their own, their modules are compiled once here, not in each of them
 # (where PYTHONDONTWRITEBYTECODE is set, nothing else would keep the compiled modules).
-# Two phases. First most tests in two workers (pytest-xdist), while the Venus tier's chroot and applications are
-# made in the background (debootstrap and apt: the network and the disk, little CPU). Then the tests that share a
-# machine-wide resource (the real node, podman's images), one at a time, beside the Venus tier, whose VMs run
-# mostly alone on the second core; its output is kept in a log and printed when it ends. --durations says where
-# the time went.
+# Two phases. First every test but the cluster tier, the Venus tier and the tests that time the GPU, in two workers
+# (pytest-xdist; worksteal evens out their long tests), while the Venus tier's chroot and applications are made in
+# the background (debootstrap and apt: the network and the disk, little CPU). Then, one at a time, the cluster tier
+# (one real node per machine) and the tests that time the GPU, beside the Venus tier, whose VMs run mostly alone on
+# the second core; its output is kept in a log and printed when it ends. --durations says where the time went.
 TEST_WORKERS ?= 2
 TEST_LOGS := .test-logs
-SERIAL_TESTS := tests/cluster tests/apps tests/e2e/test_enforced_slices.py tests/e2e/test_sandbox.py \
-	tests/e2e/test_plugin_cdi.py tests/e2e/test_vulkan_layer.py
 test: lint typecheck native
 	$(BIN)/python -m compileall -q src
 	@mkdir -p $(TEST_LOGS)
 	@echo "the Venus tier's chroot is prepared in the background ($(TEST_LOGS)/venus-prepare.log)"
 	@$(BIN)/python -m tests.venus.venusnode > $(TEST_LOGS)/venus-prepare.log 2>&1 & prepare=$$!; \
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=10 --ignore=tests/venus \
-	  $(addprefix --ignore=,$(SERIAL_TESTS)); status=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not timed" \
+	  --ignore=tests/venus --ignore=tests/cluster; status=$$?; \
 	wait $$prepare; cat $(TEST_LOGS)/venus-prepare.log; exit $$status
 	@echo "the Venus tier runs beside the serial tests; its output follows theirs ($(TEST_LOGS)/venus.log)"
 	@$(BIN)/python -m pytest --durations=10 tests/venus > $(TEST_LOGS)/venus.log 2>&1 & venus=$$!; \
-	$(BIN)/python -m pytest --durations=15 $(SERIAL_TESTS); serial=$$?; \
+	$(BIN)/python -m pytest --durations=15 -m "cluster or timed" tests/cluster tests/e2e; serial=$$?; \
 	wait $$venus; venus_status=$$?; echo "---- the Venus tier"; cat $(TEST_LOGS)/venus.log; \
 	[ $$serial -eq 0 ] && [ $$venus_status -eq 0 ]
 

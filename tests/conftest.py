@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpuppetti.kubelet.emulator import KubeletEmulator
-from tests.helpers import PluginProcess, short_tmpdir
+from tests.helpers import Daemon, PluginProcess, short_tmpdir
+from tests.inprocess import InProcessPlugin
 from tests.packaging import clean_clone, only, pip_wheel, why_no_build
 
 
@@ -44,20 +45,40 @@ def failed(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture
-def start_plugin(plugin_dir: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., PluginProcess]]:
-    started: list[PluginProcess] = []
+async def start_plugin(plugin_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Callable[..., Daemon]]:
+    """Start ``gpuppetti plugin`` on ``plugin_dir`` in the test's event loop."""
+    started: list[Daemon] = []
 
-    def start(config_text: str | None, *extra: str, env: dict[str, str] | None = None) -> PluginProcess:
-        process = PluginProcess(config_text, plugin_dir, *extra, env=env)
-        started.append(process)
-        return process
+    def start(config_text: str | None, *extra: str) -> Daemon:
+        started.append(InProcessPlugin(config_text, plugin_dir, *extra))
+        return started[-1]
 
     yield start
-    for process in started:
-        process.kill()
+    await _close(started, request)
+
+
+@pytest.fixture
+async def start_plugin_process(
+        plugin_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[Callable[..., PluginProcess]]:
+    """Start ``gpuppetti plugin`` on ``plugin_dir`` in a process of its own, for a test that needs the process
+    boundary: signals, a crash, the environment (``env``), the process's memory or file descriptors."""
+    started: list[Daemon] = []
+
+    def start(config_text: str | None, *extra: str, env: dict[str, str] | None = None) -> PluginProcess:
+        plugin = PluginProcess(config_text, plugin_dir, *extra, env=env)
+        started.append(plugin)
+        return plugin
+
+    yield start
+    await _close(started, request)
+
+
+async def _close(started: list[Daemon], request: pytest.FixtureRequest) -> None:
+    for daemon in started:
+        await daemon.close()
         if failed(request):
-            # The plugin's own account of what happened, in the failure's captured output.
-            print(f"---- {process.log_path} (last lines)\n" + "\n".join(process.log().splitlines()[-80:]))
+            # The daemon's own account of what happened, in the failure's captured output.
+            print(f"---- {daemon.log_path} (last lines)\n" + "\n".join(daemon.log().splitlines()[-80:]))
 
 
 # The DRA test bench's fixture (`cluster`).

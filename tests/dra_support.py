@@ -1,4 +1,5 @@
-"""The DRA test bench: the API stand-in, the kubelet's DRA side, and the driver as a subprocess."""
+"""The DRA test bench: the API stand-in, the kubelet's DRA side, and the driver, in the test's event loop or as a
+process of its own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from tests.helpers import TWO_M3_MAX, DaemonProcess, short_tmpdir
+from tests.helpers import TWO_M3_MAX, Daemon, DaemonProcess, short_tmpdir
+from tests.inprocess import InProcessDaemon
 from tests.standins.apiserver import ApiStandIn
 from tests.standins.dra_kubelet import ClaimKey, DraKubelet
 
@@ -32,7 +34,7 @@ class Cluster:
     api: ApiStandIn
     kubelet: DraKubelet
     kubeconfig: Path
-    started: list[DaemonProcess]
+    started: list[Daemon]
 
     @property
     def cdi_dir(self) -> Path:
@@ -43,15 +45,22 @@ class Cluster:
         return self.root / "plugins" / DRIVER
 
     def start_driver(self, config_text: str | None = TWO_M3_MAX, api_timeout: float | None = None,
-                     umask: int | None = None) -> DaemonProcess:
+                     umask: int | None = None, own_process: bool = False) -> Daemon:
+        """The driver in the test's event loop, or in a process of its own where the test needs one
+        (``own_process``, or a ``umask`` for that process)."""
         args = ["dra", "--node-name", NODE, "--registry-dir", str(self.root / "registry"),
                 "--plugins-dir", str(self.root / "plugins"), "--cdi-dir", str(self.cdi_dir),
                 "--kubeconfig", str(self.kubeconfig)]
         if api_timeout is not None:
             args += ["--api-timeout", str(api_timeout)]
-        process = DaemonProcess(args, config_text, self.root, f"dra-{len(self.started)}", umask=umask)
-        self.started.append(process)
-        return process
+        name = f"dra-{len(self.started)}"
+        driver: Daemon
+        if own_process or umask is not None:
+            driver = DaemonProcess(args, config_text, self.root, name, umask=umask)
+        else:
+            driver = InProcessDaemon(args, config_text, self.root, name)
+        self.started.append(driver)
+        return driver
 
     def slices(self) -> list[dict[str, Any]]:
         return self.api.list("resourceslices")
@@ -98,8 +107,8 @@ async def cluster() -> AsyncIterator[Cluster]:
     try:
         yield state
     finally:
-        for process in state.started:
-            process.kill()
+        for driver in state.started:
+            await driver.close()
         await kubelet.stop()
         await api.stop()
         assert api.rejected == [], f"objects failed schema validation: {api.rejected}"

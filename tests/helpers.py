@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
+import io
 import os
 import signal
 import subprocess
@@ -42,6 +44,33 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
                           timeout=timeout, check=False, env=environment)
 
 
+def run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``gpuppetti ARGS`` to completion in this process, as ``run_cli`` runs it in another: the same environment,
+    its output and exit code, without a second of imports each time. For a command that needs no process of its
+    own (no daemon, no signal); from a thread (asyncio.to_thread) in a test whose event loop runs; a traceback
+    fails the test."""
+    from gpuppetti.cli.main import run
+
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_") and k not in CALLER_ONLY}
+    environment.update(env or {})
+    saved = dict(os.environ)
+    # What a command may set for its whole process (the demo's runtime: the umask, a frozen heap), put back.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    os.environ.clear()
+    os.environ.update(environment)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = run(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        os.umask(umask)
+        gc.unfreeze()
+    return subprocess.CompletedProcess(["gpuppetti", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
 def config_from(text: str, source: str = "test.yaml") -> Config:
     return parse_config(textwrap.dedent(text), source)
 
@@ -51,29 +80,39 @@ def short_tmpdir(prefix: str = "gp-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
 
 
-class DaemonProcess:
-    """A long-running ``gpuppetti`` command started as its own process, with its log kept in a file."""
+class Daemon:
+    """A long-running ``gpuppetti`` command under test, its log kept in a file: in a process of its own
+    (DaemonProcess) or in the test's own event loop (InProcessDaemon), from the same command line."""
 
-    def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str,
-                 env: dict[str, str] | None = None, umask: int | None = None) -> None:
+    def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str) -> None:
+        self.name = name
         self.config_path: Path | None = None
         if config_text is not None:
             self.config_path = workdir / f"{name}-config.yaml"
             self.config_path.write_text(textwrap.dedent(config_text))
             args = [*args, "--config", str(self.config_path)]
         self.log_path = workdir / f"{name}.log"
-        self._log = self.log_path.open("ab")
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
-        environment.update(env or {})
         # An ephemeral port, so that tests never collide on the default one; http_url() reads it from the log.
         if args[0] in ("plugin", "dra") and "--http-address" not in args:
             args = [*args, "--http-address", "127.0.0.1:0"]
         # The layer goes into the test's directory, never the machine's /var/lib/gpuppetti.
         if args[0] in ("plugin", "dra") and "--vulkan-layer-dir" not in args:
             args = [*args, "--vulkan-layer-dir", str(workdir / "vulkan")]
-        self.process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *args, "--log-level", "debug"],
-                                        stdout=self._log, stderr=subprocess.STDOUT, env=environment,
-                                        umask=-1 if umask is None else umask)
+        self.argv = [*args, "--log-level", "debug"]
+
+    def returncode(self) -> int | None:
+        """The exit code, or None while it runs."""
+        raise NotImplementedError
+
+    def running(self) -> bool:
+        return self.returncode() is None
+
+    def send(self, signum: int) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Gone, whatever it was doing (a test's teardown)."""
+        raise NotImplementedError
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -82,14 +121,11 @@ class DaemonProcess:
         assert self.config_path is not None
         self.config_path.write_text(textwrap.dedent(text))
 
-    def send(self, signum: int) -> None:
-        self.process.send_signal(signum)
-
     async def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
         async with asyncio.timeout(timeout):
             while text not in self.log():
-                if self.process.poll() is not None:
-                    raise AssertionError(f"plugin exited ({self.process.returncode}) before logging {text!r}:\n"
+                if not self.running():
+                    raise AssertionError(f"{self.name} exited ({self.returncode()}) before logging {text!r}:\n"
                                          f"{self.log()}")
                 await asyncio.sleep(0.02)
 
@@ -100,21 +136,44 @@ class DaemonProcess:
         return "http://" + line.split(marker, 1)[1].strip()
 
     async def wait(self, timeout: float = 30.0) -> int:
-        """Wait for the process to exit by itself."""
+        """Wait for it to exit by itself."""
         async with asyncio.timeout(timeout):
-            while self.process.poll() is None:
+            while (code := self.returncode()) is None:
                 await asyncio.sleep(0.02)
-        self._log.close()
-        return self.process.returncode
+        return code
 
     async def stop(self, signum: int = signal.SIGTERM, timeout: float = 10.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-        async with asyncio.timeout(timeout):
-            while self.process.poll() is None:
-                await asyncio.sleep(0.02)
-        self._log.close()
-        return self.process.returncode
+        if self.running():
+            self.send(signum)
+        return await self.wait(timeout)
+
+
+class DaemonProcess(Daemon):
+    """The command started as its own process: for what needs the process boundary (signals, a crash, the
+    environment, the process's memory and file descriptors)."""
+
+    def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str,
+                 env: dict[str, str] | None = None, umask: int | None = None) -> None:
+        super().__init__(args, config_text, workdir, name)
+        self._log = self.log_path.open("ab")
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
+        environment.update(env or {})
+        self.process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *self.argv],
+                                        stdout=self._log, stderr=subprocess.STDOUT, env=environment,
+                                        umask=-1 if umask is None else umask)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def returncode(self) -> int | None:
+        code = self.process.poll()
+        if code is not None:
+            self._log.close()
+        return code
+
+    def send(self, signum: int) -> None:
+        self.process.send_signal(signum)
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -122,9 +181,12 @@ class DaemonProcess:
             self.process.wait()
         self._log.close()
 
+    async def close(self) -> None:
+        self.kill()
+
 
 class PluginProcess(DaemonProcess):
-    """``gpuppetti plugin`` serving the device plugin directory ``directory``."""
+    """``gpuppetti plugin`` in a process of its own, serving the device plugin directory ``directory``."""
 
     def __init__(
         self, config_text: str | None, directory: Path, *extra: str, env: dict[str, str] | None = None

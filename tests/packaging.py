@@ -77,12 +77,14 @@ def wheel_tag(wheel: Path) -> str:
     return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Tag:"))
 
 
-def venv_with(wheel: Path, destination: Path) -> Path:
-    """A fresh venv with the wheel installed the way a user installs it (its dependencies from the index)."""
-    venv.EnvBuilder(with_pip=True, symlinks=True).create(destination)
+def venv_with(wheel: Path, destination: Path, compile: bool = True) -> Path:
+    """A fresh venv with the wheel installed the way a user installs it (its dependencies from the index), by this
+    interpreter's pip (``--python``: the venv needs no pip of its own). ``compile=False`` leaves out the bytecode
+    (most of the install's CPU) where nothing runs long enough to miss it."""
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(destination)
     python = destination / "bin" / "python"
-    result = _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel)],
-                  destination)
+    result = _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+                   "--disable-pip-version-check", *([] if compile else ["--no-compile"]), str(wheel)], destination)
     if result.returncode != 0:
         raise RuntimeError(f"installing {wheel.name} into a fresh venv failed:\n{result.stderr[-2000:]}")
     return destination

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import http.server
 import json
+import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, run_here
 
 pytestmark = pytest.mark.e2e
 
@@ -94,16 +95,33 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+# Run in this process, as the command line runs them; these also through the command as users run it, in a
+# process of its own: a daemon's, a setting from the environment, and argparse's own complaint.
+IN_A_PROCESS = ("log-level-env-plugin", "config-typo", "unknown-flag")
+
+
 @pytest.mark.parametrize(("args", "env", "code", "says"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_mistake_is_one_line_and_the_right_exit_code(
     workdir: Path, args: list[str], env: dict[str, str], code: int, says: str
 ) -> None:
+    _check(workdir, args, env, code, says, run_here)
+
+
+@pytest.mark.parametrize(("args", "env", "code", "says"), [c[1:] for c in CASES if c[0] in IN_A_PROCESS],
+                         ids=[c[0] for c in CASES if c[0] in IN_A_PROCESS])
+def test_a_mistake_is_one_line_and_the_right_exit_code_from_the_command(
+    workdir: Path, args: list[str], env: dict[str, str], code: int, says: str
+) -> None:
+    _check(workdir, args, env, code, says, run_cli)
+
+
+def _check(workdir: Path, args: list[str], env: dict[str, str], code: int, says: str,
+           run: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     def fill(text: str) -> str:
         return text.replace("{tmp}", str(workdir))
 
     before = sorted(path.name for path in workdir.iterdir())
-    result = run_cli(*map(fill, args), env={k: fill(v) for k, v in env.items()},
-                     timeout=30)
+    result = run(*map(fill, args), env={k: fill(v) for k, v in env.items()})
     output = result.stdout + result.stderr
     assert "Traceback" not in output, output
     assert result.returncode == code, output
@@ -140,7 +158,7 @@ def other_server() -> Iterator[str]:
 
 
 def test_discover_from_a_server_that_is_not_gpuppetti(other_server: str) -> None:
-    result = run_cli("discover", "--from", other_server)
+    result = run_here("discover", "--from", other_server)
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()
     assert line == (f"gpuppetti: {other_server} is not a gpuppetti plugin or DRA driver's HTTP endpoint (its "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DaemonProcess, PluginProcess, run_cli, short_tmpdir
+from tests.helpers import Daemon, DaemonProcess, run_cli, short_tmpdir
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ async def test_no_gpus_keeps_the_plugin_up_saying_why(tmp_path: Path) -> None:
         await plugin.wait_for_log("serving nothing until a GPU appears")
         status, body = await asyncio.to_thread(_get, url + "/healthz")
         assert (status, body.startswith("ok: no GPUs found on this node")) == (200, True), body
-        assert plugin.process.poll() is None
+        assert plugin.running()
         assert await plugin.stop() == 0
     finally:
         plugin.kill()
@@ -130,7 +130,7 @@ def test_a_sharing_entry_that_does_nothing_is_said(tmp_path: Path) -> None:
             "nvidia.com/gpu") in result.stderr
 
 
-async def test_the_plugin_logs_the_warning(tmp_path: Path, start_plugin: Callable[..., PluginProcess]) -> None:
+async def test_the_plugin_logs_the_warning(tmp_path: Path, start_plugin: Callable[..., Daemon]) -> None:
     plugin = start_plugin(NO_CORES)
     await plugin.wait_for_log("replicasPerCores: GPU sim-apple-0 has no known core count")
     assert "WARNING" in next(line for line in plugin.log().splitlines() if "no known core count" in line)

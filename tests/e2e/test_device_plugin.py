@@ -13,7 +13,7 @@ import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.kubelet.emulator import AdmissionError, Container, KubeletEmulator, Pod
-from tests.helpers import TWO_M3_MAX, PluginProcess
+from tests.helpers import TWO_M3_MAX, Daemon
 
 pytestmark = pytest.mark.e2e
 APPLE = "apple.com/gpu"
@@ -21,7 +21,7 @@ SOCKET = "gpuppetti-apple.com_gpu.sock"
 
 
 async def test_registers_and_lists_every_replica(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -37,7 +37,7 @@ async def test_registers_and_lists_every_replica(
 
 
 async def test_list_is_not_resent_without_a_change(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -46,7 +46,7 @@ async def test_list_is_not_resent_without_a_change(
 
 
 async def test_pods_get_their_slices_and_env(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -76,7 +76,7 @@ async def test_pods_get_their_slices_and_env(
 
 
 async def test_packed_policy_fills_one_gpu_first(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX + "plugin:\n  allocationPolicy: packed\n")
     await kubelet.wait_registered(APPLE)
@@ -87,7 +87,7 @@ async def test_packed_policy_fills_one_gpu_first(
 
 
 async def test_init_container_devices_are_must_include(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -102,7 +102,7 @@ async def test_init_container_devices_are_must_include(
 
 
 async def test_over_capacity_is_refused_by_the_kubelet(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -119,7 +119,7 @@ async def _allocate(endpoint_stub: object, *requests: list[str]) -> pb.AllocateR
 
 
 async def test_bad_allocate_requests_get_invalid_argument_and_the_server_keeps_serving(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -152,7 +152,7 @@ async def test_bad_allocate_requests_get_invalid_argument_and_the_server_keeps_s
 
 
 async def test_unhealthy_ids_are_refused(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin("""\
         version: v1
@@ -173,7 +173,7 @@ async def test_unhealthy_ids_are_refused(
 
 
 async def test_fail_requests_greater_than_one(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX.replace("    resources:", "    failRequestsGreaterThanOne: true\n    resources:"))
     await kubelet.wait_registered(APPLE)
@@ -184,7 +184,7 @@ async def test_fail_requests_greater_than_one(
 
 
 async def test_per_gpu_replicas_and_rename(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin("""\
         version: v1
@@ -203,14 +203,14 @@ async def test_per_gpu_replicas_and_rename(
     assert sorted(plain.devices) == ["sim-apple-1::0", "sim-apple-1::1", "sim-apple-2"]
 
 
-async def test_rename_by_default(kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]) -> None:
+async def test_rename_by_default(kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]) -> None:
     start_plugin(TWO_M3_MAX.replace("    resources:", "    renameByDefault: true\n    resources:"))
     endpoint = await kubelet.wait_registered("apple.com/gpu.shared")
     assert len(endpoint.devices) == 8
 
 
 async def test_reregisters_after_kubelet_restarts(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -222,7 +222,7 @@ async def test_reregisters_after_kubelet_restarts(
 
 
 async def test_waits_for_a_kubelet_that_is_down(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -235,7 +235,7 @@ async def test_waits_for_a_kubelet_that_is_down(
 
 
 async def test_plugin_started_before_the_kubelet(
-    plugin_dir: Path, start_plugin: Callable[..., PluginProcess]
+    plugin_dir: Path, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     await plugin.wait_for_log("waiting for the kubelet")
@@ -258,7 +258,7 @@ class _KubeletThatDiesDuringRegister(KubeletEmulator):
 
 
 async def test_register_failing_half_way_is_retried_with_the_socket_recreated(
-    plugin_dir: Path, start_plugin: Callable[..., PluginProcess]
+    plugin_dir: Path, start_plugin: Callable[..., Daemon]
 ) -> None:
     async with _KubeletThatDiesDuringRegister(plugin_dir) as kubelet:
         plugin = start_plugin(TWO_M3_MAX)
@@ -269,7 +269,7 @@ async def test_register_failing_half_way_is_retried_with_the_socket_recreated(
 
 
 async def test_health_change_reaches_the_kubelet_on_reload(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -281,7 +281,7 @@ async def test_health_change_reaches_the_kubelet_on_reload(
 
 
 async def test_broken_config_on_reload_keeps_the_old_one(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -296,7 +296,7 @@ async def test_broken_config_on_reload_keeps_the_old_one(
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_stops_cleanly_and_removes_its_socket(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path, signum: int
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path, signum: int
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)

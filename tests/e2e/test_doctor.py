@@ -20,7 +20,7 @@ from gpuppetti.doctor.result import Status
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
 from tests.fixtures import FakeHost, amd_machine, virtio_vm
-from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli, short_tmpdir
+from tests.helpers import TWO_M3_MAX, Daemon, run_here, short_tmpdir
 from tests.standins.cri import CriStandIn
 
 pytestmark = pytest.mark.e2e
@@ -54,8 +54,8 @@ def _doctor(node: Path, device_plugin_dir: Path, *extra: str) -> tuple[int, list
     args = ["doctor", "--host-root", str(node / "host"), "--device-plugin-dir", str(device_plugin_dir),
             "--registry-dir", str(node / "registry"), "--cdi-dir", str(node / "cdi"),
             "--runtime-endpoint", f"unix://{node / 'cri.sock'}", "--vulkan-layer-dir", str(node / "vulkan"), *extra]
-    as_json = run_cli(*args, "--json")
-    text = run_cli(*args, env={"COLUMNS": "120"})
+    as_json = run_here(*args, "--json")
+    text = run_here(*args, env={"COLUMNS": "120"})
     assert "Traceback" not in as_json.stderr + text.stderr
     assert as_json.returncode == text.returncode
     return as_json.returncode, json.loads(as_json.stdout), text.stdout
@@ -66,7 +66,7 @@ def _by_check(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 async def test_a_node_with_everything_in_place(
-    node: Path, kubelet: KubeletEmulator, plugin_dir: Path, start_plugin: Callable[..., PluginProcess]
+    node: Path, kubelet: KubeletEmulator, plugin_dir: Path, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     url = await plugin.http_url()
@@ -128,7 +128,7 @@ def test_an_empty_machine_fails_with_a_fix_for_each_failure(tmp_path: Path) -> N
 
 
 async def test_a_stale_kubelet_socket_and_a_daemon_that_is_not_ready(
-    node: Path, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    node: Path, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     # A socket file nobody listens on: what a kubelet that died leaves.
     stale = socket.socket(socket.AF_UNIX)

@@ -199,7 +199,7 @@ async def test_consumable_capacity_with_share_ids(cluster: Cluster) -> None:
 
 
 async def test_sigkill_restart_recovers_claims_and_recreates_wiped_cdi_specs(cluster: Cluster) -> None:
-    driver = cluster.start_driver()
+    driver = cluster.start_driver(own_process=True)
     await cluster.kubelet.wait_registered(DRIVER)
     await cluster.wait_slices(lambda s: len(s) == 1)
     claim = await cluster.allocate("survivor", [{"request": "gpu", "device": "gpu-apple-0"}])
@@ -207,8 +207,8 @@ async def test_sigkill_restart_recovers_claims_and_recreates_wiped_cdi_specs(clu
     spec_path = cluster.cdi_dir / cdi.spec_filename(cdi.DEFAULT_KIND, claim.uid)
     before = spec_path.read_text()
 
-    driver.process.send_signal(signal.SIGKILL)
-    driver.process.wait()
+    driver.send(signal.SIGKILL)
+    await driver.wait()
     # A reboot empties /var/run/cdi (tmpfs); the checkpoint in the plugin directory survives.
     shutil.rmtree(cluster.cdi_dir)
     cluster.start_driver()

@@ -23,7 +23,7 @@ from gpuppetti.node.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, L
 from gpuppetti.sharing.budgets import Budget
 from tests.dra_support import DRIVER, Cluster
 from tests.e2e.test_vulkan_layer import SIMULATED, vkinfo, why_not_here
-from tests.helpers import PluginProcess, short_tmpdir
+from tests.helpers import Daemon, short_tmpdir
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not (BUILT / LIBRARY).exists(),
@@ -56,7 +56,7 @@ def _edits_of(response: Any) -> ContainerEdits:
 
 
 async def test_the_plugin_gives_each_container_its_slices(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     plugin = start_plugin(SMALL)
     await kubelet.wait_registered("apple.com/gpu")
@@ -81,7 +81,7 @@ async def test_the_plugin_gives_each_container_its_slices(
 
 
 async def test_a_whole_gpu_gets_no_layer(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(SMALL.replace("replicas: 4", "replicas: 1"))
     await kubelet.wait_registered("apple.com/gpu")
@@ -91,7 +91,7 @@ async def test_a_whole_gpu_gets_no_layer(
 
 
 async def test_enforcement_off_in_the_config(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(SMALL + "  enforceMemory: false\n")
     await kubelet.wait_registered("apple.com/gpu")
@@ -100,7 +100,7 @@ async def test_enforcement_off_in_the_config(
 
 
 async def test_compute_shares_when_the_config_turns_them_on(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(SMALL + "  enforceCompute: true\n")
     await kubelet.wait_registered("apple.com/gpu")
@@ -112,7 +112,7 @@ async def test_compute_shares_when_the_config_turns_them_on(
 
 
 async def test_compute_shares_without_memory_budgets(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(SMALL + "  enforceMemory: false\n  enforceCompute: true\n")
     await kubelet.wait_registered("apple.com/gpu")
@@ -122,7 +122,7 @@ async def test_compute_shares_without_memory_budgets(
 
 
 async def test_no_compute_shares_by_default(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(SMALL)
     await kubelet.wait_registered("apple.com/gpu")
@@ -173,7 +173,9 @@ DRA_SMALL = SMALL.split("sharing:")[0]
 async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     cluster: Cluster, slicing: str, result: dict[str, Any], memory: int | None
 ) -> None:
-    driver = cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
+    # Killed below, when it holds a slice's memory: a process of its own.
+    driver = cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n",
+                                  own_process=memory is not None)
     await cluster.kubelet.wait_registered(DRIVER)
     await cluster.wait_slices(lambda s: len(s) >= 1)
     claim = await cluster.allocate("layered", [{"request": "gpu", **result}])
@@ -209,17 +211,17 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     assert record["layer_allocations"] == {f"dra-{claim.uid}-gpu": [memory]}
     # A directory no claim of the checkpoint names (another claim's, left by a crash) goes at the next start.
     foreign = layer.create(f"dra-{claim.uid[:-4]}beef-gpu", [1])
-    driver.process.send_signal(signal.SIGKILL)
-    driver.process.wait()
-    driver = cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
+    driver.send(signal.SIGKILL)
+    await driver.wait()
+    driver = cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n", own_process=True)
     await cluster.kubelet.wait_registered(DRIVER, count=2)
     assert int.from_bytes(acct.read_bytes()[24:32], "little") == 123
     assert acct.read_bytes()[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] == bytes(8)
     assert not foreign.exists()
     # Lost (a wiped disk): made again from the checkpointed plan, with the request's budget.
     shutil.rmtree(acct.parent)
-    driver.process.send_signal(signal.SIGKILL)
-    driver.process.wait()
+    driver.send(signal.SIGKILL)
+    await driver.wait()
     cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
     await cluster.kubelet.wait_registered(DRIVER, count=3)
     assert int.from_bytes(acct.read_bytes()[16:24], "little") == memory

@@ -17,7 +17,7 @@ import pytest
 from gpuppetti.hostagent import token
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from tests.fixtures import virtio_vm
-from tests.helpers import FAKES, TWO_M3_MAX, DaemonProcess, PluginProcess, run_cli
+from tests.helpers import FAKES, TWO_M3_MAX, Daemon, DaemonProcess, run_cli
 from tests.standins.apiserver import ApiStandIn
 
 pytestmark = pytest.mark.e2e
@@ -119,7 +119,7 @@ sharing:
 
 
 async def test_the_plugin_takes_the_agents_facts_and_keeps_them_when_it_goes(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     virtio_vm(tmp_path / "host")
     port = _free_port()
@@ -158,7 +158,7 @@ async def test_the_plugin_takes_the_agents_facts_and_keeps_them_when_it_goes(
     assert one_shot["facts"] == "config", "a one-shot discover has only the config when the agent is gone"
     # What the running plugin serves: the agent's last facts, marked stale.
     async with asyncio.timeout(10):
-        while (served := _discover_from(metrics_url))["facts"] != "host-agent (stale)":
+        while (served := await _discover_from(metrics_url))["facts"] != "host-agent (stale)":
             await asyncio.sleep(0.1)
     assert (served["model"], served["cores"], served["health"]) == ("Apple M3 Max", 40, "Healthy")
 
@@ -170,8 +170,9 @@ async def test_the_plugin_takes_the_agents_facts_and_keeps_them_when_it_goes(
     await back.stop()
 
 
-def _discover_from(url: str) -> dict[str, Any]:
-    result = run_cli("discover", "--json", "--from", url)
+async def _discover_from(url: str) -> dict[str, Any]:
+    # In a thread: the plugin that answers runs in this event loop.
+    result = await asyncio.to_thread(run_cli, "discover", "--json", "--from", url)
     assert result.returncode == 0, result.stderr
     [record] = json.loads(result.stdout)
     return dict(record)
@@ -188,7 +189,7 @@ def _discover(tmp_path: Path, url: str, token_file: Path) -> dict[str, Any]:
 
 
 async def test_node_labels(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     api = ApiStandIn()
     await api.start()

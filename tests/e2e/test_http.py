@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
-from tests.helpers import TWO_M3_MAX, PluginProcess
+from tests.helpers import TWO_M3_MAX, Daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,7 @@ async def _get(url: str) -> tuple[int, str]:
 
 
 async def test_healthz_is_ready_once_registered_and_metrics_count(
-    plugin_dir: Path, start_plugin: Callable[..., PluginProcess]
+    plugin_dir: Path, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     url = await plugin.http_url()
@@ -68,7 +68,7 @@ def test_the_listener_defaults_to_localhost() -> None:
 
 
 async def test_an_address_in_use_is_a_clear_error(
-    start_plugin: Callable[..., PluginProcess], kubelet: KubeletEmulator
+    start_plugin: Callable[..., Daemon], kubelet: KubeletEmulator
 ) -> None:
     first = start_plugin(TWO_M3_MAX)
     url = await first.http_url()
@@ -79,7 +79,7 @@ async def test_an_address_in_use_is_a_clear_error(
 
 
 async def test_a_list_too_big_for_the_kubelet_is_said_not_sent(
-    plugin_dir: Path, start_plugin: Callable[..., PluginProcess]
+    plugin_dir: Path, start_plugin: Callable[..., Daemon]
 ) -> None:
     huge = TWO_M3_MAX.replace("count: 2", "count: 150").replace("replicas: 4", "replicas: 1024")
     plugin = start_plugin(huge)
@@ -89,4 +89,4 @@ async def test_a_list_too_big_for_the_kubelet_is_said_not_sent(
         status, text = await _get(f"{url}/healthz")
         assert status == 503 and "more than the kubelet accepts (4,194,304 bytes" in text, text
         assert kubelet.capacity("apple.com/gpu") == 0
-    assert plugin.process.poll() is None
+    assert plugin.running()

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from bench.run import Figure, render
 from tests.fixtures import MACHINES
-from tests.helpers import run_cli
+from tests.helpers import run_here
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ def _env(columns: str | None) -> dict[str, str]:
 
 @pytest.mark.parametrize(("label", "columns", "width"), WIDTHS, ids=[w[0] for w in WIDTHS])
 def test_the_demo_fits(label: str, columns: str | None, width: int) -> None:
-    result = run_cli("demo", env=_env(columns))
+    result = run_here("demo", env=_env(columns))
     assert result.returncode == 0, result.stderr
     assert_fits(result.stdout, width)
     for gpu in (0, 1):
@@ -49,10 +49,10 @@ def test_the_demo_fits(label: str, columns: str | None, width: int) -> None:
 @pytest.mark.parametrize(("label", "columns", "width"), WIDTHS, ids=[w[0] for w in WIDTHS])
 def test_discover_fits(tmp_path: Path, machine: str, label: str, columns: str | None, width: int) -> None:
     MACHINES[machine](tmp_path)
-    listed = run_cli("discover", "--json", "--host-root", str(tmp_path))
+    listed = run_here("discover", "--json", "--host-root", str(tmp_path))
     assert listed.returncode == 0, listed.stderr
     records = json.loads(listed.stdout)
-    result = run_cli("discover", "--host-root", str(tmp_path), env=_env(columns))
+    result = run_here("discover", "--host-root", str(tmp_path), env=_env(columns))
     assert result.returncode == 0, result.stderr
     assert_fits(result.stdout, width)
     for record in records:

@@ -78,7 +78,7 @@ def test_a_required_layer_that_cannot_be_built_fails_the_build(clone: Path, tmp_
 
 def test_the_installed_wheel_delivers_the_layer(clean_wheel: Path, tmp_path: Path) -> None:
     """Installed into a fresh venv, as a user installs it: the daemons find the layer and install it."""
-    env = venv_with(clean_wheel, tmp_path / "venv")
+    env = venv_with(clean_wheel, tmp_path / "venv", compile=False)
     python = env / "bin" / "python"
     script = ("import sys; from pathlib import Path; from gpuppetti.node.vulkanlayer import LayerDir; "
               "LayerDir(Path(sys.argv[1])).install()")

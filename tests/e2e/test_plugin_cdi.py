@@ -12,7 +12,7 @@ import pytest
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from tests.cdi_checks import spec_problems
 from tests.fixtures import amd_machine
-from tests.helpers import PluginProcess
+from tests.helpers import Daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ def _config(strategies: str) -> str:
 
 
 async def test_cdi_cri_and_envvar(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     amd_machine(tmp_path / "host")
     cdi_dir = tmp_path / "cdi"
@@ -45,7 +45,7 @@ async def test_cdi_cri_and_envvar(
 
 
 async def test_cdi_only_leaves_device_nodes_to_the_runtime(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     amd_machine(tmp_path / "host")
     start_plugin(_config("cdi"), "--host-root", str(tmp_path / "host"), "--cdi-dir", str(tmp_path / "cdi"))
@@ -57,7 +57,7 @@ async def test_cdi_only_leaves_device_nodes_to_the_runtime(
 
 
 async def test_cdi_annotations(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     amd_machine(tmp_path / "host")
     start_plugin(_config("cdi-annotations"), "--host-root", str(tmp_path / "host"), "--cdi-dir",
@@ -72,7 +72,7 @@ async def test_cdi_annotations(
 
 
 async def test_no_spec_is_written_for_envvar_alone(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     amd_machine(tmp_path / "host")
     start_plugin(_config("envvar"), "--host-root", str(tmp_path / "host"), "--cdi-dir", str(tmp_path / "cdi"))
@@ -81,7 +81,7 @@ async def test_no_spec_is_written_for_envvar_alone(
 
 
 async def test_the_spec_follows_gpus_coming_but_not_health(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     host = amd_machine(tmp_path / "host")
     cdi_dir = tmp_path / "cdi"

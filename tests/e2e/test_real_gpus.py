@@ -12,13 +12,16 @@ import pytest
 
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from tests.fixtures import MACHINES, RADEON_VRAM, amd_machine, nvidia_machine, virtio_vm
-from tests.helpers import FAKES, PluginProcess, fake_nvml_env, run_cli
+from tests.helpers import FAKES, Daemon, PluginProcess, fake_nvml_env, run_cli, run_here
 
 pytestmark = pytest.mark.e2e
 
 
 def _discover(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return run_cli("discover", *args, env=env)
+    # A PYTHONPATH (the fake NVML module) needs a process of its own.
+    if env is not None and "PYTHONPATH" in env:
+        return run_cli("discover", *args, env=env)
+    return run_here("discover", *args, env=env)
 
 
 def _records(*args: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
@@ -85,7 +88,7 @@ def test_discover_macos_with_stand_in_commands() -> None:
 
 
 async def test_plugin_serves_amd_with_its_container_edits(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     amd_machine(tmp_path)
     start_plugin(None, "--backend", "drm", "--host-root", str(tmp_path))
@@ -105,7 +108,7 @@ async def test_plugin_serves_amd_with_its_container_edits(
 
 
 async def test_plugin_serves_an_nvidia_card_without_nvml(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     nvidia_machine(tmp_path)
     start_plugin(None, "--backend", "drm", "--host-root", str(tmp_path))
@@ -118,7 +121,7 @@ async def test_plugin_serves_an_nvidia_card_without_nvml(
 
 
 async def test_intel_gets_the_level_zero_mask(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     MACHINES["intel"](tmp_path)
     start_plugin(None, "--backend", "drm", "--host-root", str(tmp_path))
@@ -144,7 +147,7 @@ sharing:
 
 
 async def test_apple_gpu_in_a_krunkit_vm(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     virtio_vm(tmp_path)
     start_plugin(APPLE_VM, "--host-root", str(tmp_path))
@@ -158,7 +161,7 @@ async def test_apple_gpu_in_a_krunkit_vm(
 
 
 async def test_a_vanishing_gpu_turns_unhealthy_and_recovers(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     host = amd_machine(tmp_path)
     start_plugin("version: v1\nbackend: drm\nhealth: {pollInterval: 50ms}\n", "--host-root", str(tmp_path))
@@ -171,7 +174,7 @@ async def test_a_vanishing_gpu_turns_unhealthy_and_recovers(
 
 
 async def test_a_gpu_that_appears_is_added(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], tmp_path: Path
 ) -> None:
     host = amd_machine(tmp_path)
     start_plugin("version: v1\nbackend: drm\nhealth: {pollInterval: 50ms}\n", "--host-root", str(tmp_path))
@@ -188,12 +191,13 @@ NVML_GPU = {"uuid": NVML_UUID, "name": "NVIDIA H100 80GB HBM3",
 
 
 async def test_nvml_xid_marks_unhealthy_at_once_and_recovers_after_a_quiet_period(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., PluginProcess], tmp_path: Path
 ) -> None:
     state = tmp_path / "nvml.json"
     events = tmp_path / "xid-events"
     state.write_text(json.dumps({"devices": [NVML_GPU], "events": str(events)}))
-    plugin = start_plugin(
+    # A process of its own: the fake NVML module comes through its PYTHONPATH.
+    plugin = start_plugin_process(
         "version: v1\nbackend: nvml\nhealth: {recoveryPeriod: 1s, ignoredXids: [13, 43]}\n",
         "--host-root", str(tmp_path), env=fake_nvml_env(state),
     )

@@ -13,7 +13,7 @@ import pytest
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
-from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli
+from tests.helpers import TWO_M3_MAX, Daemon, run_cli
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not (BUILT / LIBRARY).exists(), reason="the Vulkan layer is not built here")]
@@ -24,7 +24,7 @@ MIB = 2**20
 
 
 async def test_top_shows_who_holds_each_slice_and_how_much(
-        plugin_dir: Path, start_plugin: Callable[..., PluginProcess]) -> None:
+        plugin_dir: Path, start_plugin: Callable[..., Daemon]) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     url = await plugin.http_url()
     # The kubelet's PodResources API beside its device plugin directory, as on a node.

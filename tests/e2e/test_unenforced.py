@@ -16,7 +16,7 @@ import pytest
 import gpuppetti
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
-from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli
+from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +35,7 @@ async def _get(url: str) -> tuple[int, str]:
         return response.status, await response.text()
 
 
-async def ready_answer(plugin_dir: Path, plugin: PluginProcess) -> tuple[int, str, str]:
+async def ready_answer(plugin_dir: Path, plugin: Daemon) -> tuple[int, str, str]:
     url = await plugin.http_url()
     async with KubeletEmulator(plugin_dir) as kubelet:
         await kubelet.wait_registered("apple.com/gpu")
@@ -46,8 +46,8 @@ async def ready_answer(plugin_dir: Path, plugin: PluginProcess) -> tuple[int, st
 
 
 async def test_the_plugin_without_a_layer_is_ready_and_says_slices_are_not_enforced(
-        plugin_dir: Path, start_plugin: Callable[..., PluginProcess], without_layer: dict[str, str]) -> None:
-    status, text, metrics = await ready_answer(plugin_dir, start_plugin(TWO_M3_MAX, env=without_layer))
+        plugin_dir: Path, start_plugin_process: Callable[..., PluginProcess], without_layer: dict[str, str]) -> None:
+    status, text, metrics = await ready_answer(plugin_dir, start_plugin_process(TWO_M3_MAX, env=without_layer))
     assert status == 200
     assert text.startswith("ok: slices are not enforced: this installation has no built Vulkan layer"), text
     assert "gpuppetti_slices_enforced 0.0" in metrics.splitlines()
@@ -55,14 +55,14 @@ async def test_the_plugin_without_a_layer_is_ready_and_says_slices_are_not_enfor
 
 @pytest.mark.skipif(not (BUILT / LIBRARY).exists(), reason="the Vulkan layer is not built here (make native)")
 async def test_the_plugin_with_the_layer_says_nothing_more(
-        plugin_dir: Path, start_plugin: Callable[..., PluginProcess]) -> None:
+        plugin_dir: Path, start_plugin: Callable[..., Daemon]) -> None:
     status, text, metrics = await ready_answer(plugin_dir, start_plugin(TWO_M3_MAX))
     assert (status, text) == (200, "ok\n")
     assert "gpuppetti_slices_enforced 1.0" in metrics.splitlines()
 
 
 async def test_the_plugin_told_not_to_enforce_says_so(
-        plugin_dir: Path, start_plugin: Callable[..., PluginProcess]) -> None:
+        plugin_dir: Path, start_plugin: Callable[..., Daemon]) -> None:
     status, text, metrics = await ready_answer(
         plugin_dir, start_plugin(TWO_M3_MAX, "--vulkan-layer-dir", ""))
     assert (status, text) == (200, "ok: slices are not enforced: --vulkan-layer-dir is empty\n")

@@ -188,6 +188,7 @@ async def gpu_time(sandbox: PodmanSandbox, layer: LayerDir, compute: int, in_fli
 
 
 # 100 batches in flight pass the 64 the layer times: the rest are charged as long as the timed ones took.
+@pytest.mark.timed
 @pytest.mark.parametrize("in_flight", [1, 3, 100])
 async def test_a_compute_share_holds_the_container_to_its_part_of_the_gpus_time(
         sandbox: PodmanSandbox, layer: LayerDir, in_flight: int) -> None:
@@ -200,6 +201,7 @@ async def test_a_compute_share_holds_the_container_to_its_part_of_the_gpus_time(
     assert 0.1 <= quarter <= 0.4, (free, quarter)
 
 
+@pytest.mark.timed
 async def test_a_compute_share_that_does_not_parse_throttles_nothing(sandbox: PodmanSandbox,
                                                                      layer: LayerDir) -> None:
     edits = allocation(layer, [SLICE])
@@ -209,6 +211,7 @@ async def test_a_compute_share_that_does_not_parse_throttles_nothing(sandbox: Po
     assert mismatched[0]["busy"]["batches"] >= 0.7 * free[0]["busy"]["batches"]
 
 
+@pytest.mark.timed
 async def test_a_wait_from_before_a_reboot_is_forgotten(sandbox: PodmanSandbox, layer: LayerDir) -> None:
     name = f"t-{secrets.token_hex(4)}"
     layer.create(name, [SLICE])
@@ -223,6 +226,7 @@ async def test_a_wait_from_before_a_reboot_is_forgotten(sandbox: PodmanSandbox, 
     assert busy["gpu_seconds"] >= 0.8, "a time further ahead than any debt is forgotten: the slice works at its share"
 
 
+@pytest.mark.timed
 async def test_a_slices_waiting_is_kept_for_metrics(sandbox: PodmanSandbox, layer: LayerDir) -> None:
     name = f"t-{secrets.token_hex(4)}"
     layer.create(name, [SLICE])

@@ -22,7 +22,7 @@ import pytest
 
 from gpuppetti.core import cdi
 from tests.dra_support import DRIVER, Cluster
-from tests.helpers import TWO_M3_MAX, DaemonProcess
+from tests.helpers import TWO_M3_MAX, Daemon
 from tests.standins.dra_kubelet import ClaimKey
 
 pytestmark = pytest.mark.fault
@@ -50,7 +50,7 @@ def assert_agreement(cluster: Cluster, told_prepared: set[str]) -> None:
     assert _specs(cluster) == told_prepared, f"CDI directory {_specs(cluster)} != told {told_prepared}"
 
 
-async def _registered_and_published(cluster: Cluster, driver: DaemonProcess) -> None:
+async def _registered_and_published(cluster: Cluster, driver: Daemon) -> None:
     await cluster.kubelet.wait_registered(DRIVER, timeout=20)
     await cluster.wait_slices(lambda s: len(s) == 1, timeout=20)
 
@@ -70,16 +70,16 @@ async def test_api_restarts_dropped_requests_and_broken_watches_do_not_kill_the_
     cluster.api.fault = lambda method, path: "drop" if "resourceclaims/dropped" in path else None
     dropped = await cluster.allocate("dropped", [{"request": "gpu", "device": "gpu-apple-1"}])
     answer = (await cluster.kubelet.prepare([dropped]))[DRIVER][dropped.uid]
-    assert "ResourceClaim" in answer.error and driver.process.poll() is None
+    assert "ResourceClaim" in answer.error and driver.running()
     cluster.api.fault = None
     # An API server restart cuts every connection.
     await cluster.api.restart(down_for=1.0)
-    assert driver.process.poll() is None, driver.log()[-3000:]
+    assert driver.running(), driver.log()[-3000:]
     # It converges once the API is back: a deleted slice comes back, a claim is prepared.
     await cluster.api.delete("resourceslices", cluster.slices()[0]["metadata"]["name"])
     await cluster.wait_slices(lambda s: len(s) == 1, timeout=20)
     assert (await cluster.kubelet.prepare([dropped]))[DRIVER][dropped.uid].error == ""
-    assert driver.process.poll() is None
+    assert driver.running()
 
 
 async def test_started_while_the_api_is_away_it_registers_and_unprepares(cluster: Cluster) -> None:
@@ -89,7 +89,7 @@ async def test_started_while_the_api_is_away_it_registers_and_unprepares(cluster
     unknown = ClaimKey("default", "gone", "2b0c1d4e-5f60-4a7b-8c9d-0e1f2a3b4c5d")
     assert (await cluster.kubelet.unprepare([unknown], [DRIVER]))[DRIVER][unknown.uid].error == ""
     await driver.wait_for_log("publishing ResourceSlices failed")
-    assert driver.process.poll() is None
+    assert driver.running()
     host, port = cluster.api.url.removeprefix("http://").rsplit(":", 1)
     await cluster.api.start(host, int(port))
     await cluster.wait_slices(lambda s: len(s) == 1, timeout=30)
@@ -168,7 +168,7 @@ async def test_a_full_disk_never_leaves_the_checkpoint_disagreeing_with_the_kube
         assert (await cluster.kubelet.unprepare([first], [DRIVER]))[DRIVER][first.uid].error == ""
         assert (await cluster.kubelet.prepare([second]))[DRIVER][second.uid].error == ""
         assert_agreement(cluster, {second.uid})
-        assert driver.process.poll() is None
+        assert driver.running()
         await driver.stop()
 
 
@@ -193,7 +193,7 @@ async def test_a_full_cdi_directory_at_start_keeps_the_driver_up_and_heals(clust
                 await asyncio.sleep(0.2)
         assert (await cluster.kubelet.prepare([claim]))[DRIVER][claim.uid].error == ""
         assert_agreement(cluster, {claim.uid})
-        assert restarted.process.poll() is None
+        assert restarted.running()
         await restarted.stop()
 
 
@@ -216,7 +216,7 @@ async def test_a_second_instance_waits_and_takes_over_cleanly(cluster: Cluster) 
     await second.wait_for_log("another gpuppetti DRA driver")
     await asyncio.sleep(1.0)
     assert socket.stat().st_ino == inode, "the second did not touch the first's socket"
-    assert second.process.poll() is None
+    assert second.running()
     assert await first.stop() == 0
     await second.wait_for_log("takes over")
     await cluster.kubelet.wait_registered(DRIVER, count=2, timeout=20)
@@ -318,7 +318,7 @@ async def test_a_claim_uid_that_is_a_path_touches_no_file(cluster: Cluster) -> N
         prepared = (await cluster.kubelet.call(DRIVER, "prepare", [claim]))[uid]
         assert "not a Kubernetes UID" in unprepared.error and "not a Kubernetes UID" in prepared.error
     assert victim.read_text() == "precious"
-    assert driver.process.poll() is None
+    assert driver.running()
 
 
 # -- 17 (the driver's part). planted links and an open umask --------------------------------------------------------

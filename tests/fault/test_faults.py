@@ -19,7 +19,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.kubelet.emulator import AdmissionError, KubeletEmulator, Pod
 from tests.dra_support import DRIVER, Cluster
-from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli
+from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess, run_cli
 from tests.standins.dra_kubelet import ClaimKey
 
 pytestmark = pytest.mark.fault
@@ -37,14 +37,14 @@ def _threads(pid: int) -> int:
 
 
 async def test_twenty_kubelet_restarts_in_a_row_leak_nothing(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., PluginProcess], plugin_dir: Path
 ) -> None:
-    plugin = start_plugin(TWO_M3_MAX)
+    plugin = start_plugin_process(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
     await kubelet.restart()
     await kubelet.wait_registered(APPLE, count=2)
     await asyncio.sleep(0.3)
-    pid = plugin.process.pid
+    pid = plugin.pid
     fds, threads = _fds(pid), _threads(pid)
     for restart in range(20):
         await kubelet.restart()
@@ -57,7 +57,7 @@ async def test_twenty_kubelet_restarts_in_a_row_leak_nothing(
 
 
 async def test_garbage_config_on_reload_keeps_the_old_one(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -74,7 +74,7 @@ async def test_garbage_config_on_reload_keeps_the_old_one(
 
 
 async def test_500_concurrent_allocates_and_no_exclusive_gpu_twice(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin("version: v1\nsimulated:\n  gpus:\n    - {model: Whole, vendor: nvidia, count: 8}\n")
     endpoint = await kubelet.wait_registered("nvidia.com/gpu")
@@ -102,7 +102,7 @@ METHODS = ("GetDevicePluginOptions", "ListAndWatch", "GetPreferredAllocation", "
 
 
 async def test_malformed_protobuf_bytes_get_clean_errors_and_the_server_stays_up(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -136,8 +136,10 @@ ids = st.lists(st.one_of(st.sampled_from(["sim-apple-0::0", "sim-apple-1::3", "s
 
 
 @pytest.mark.timeout(300)
-def test_hypothesis_requests_to_every_rpc(plugin_dir: Path, start_plugin: Callable[..., PluginProcess]) -> None:
-    plugin = start_plugin(TWO_M3_MAX)
+def test_hypothesis_requests_to_every_rpc(
+        plugin_dir: Path, start_plugin_process: Callable[..., PluginProcess]) -> None:
+    # A process of its own: the test drives its own event loop.
+    plugin = start_plugin_process(TWO_M3_MAX)
     socket = plugin_dir / "gpuppetti-apple.com_gpu.sock"
 
     async def wait_for_socket() -> None:
@@ -175,7 +177,7 @@ def test_hypothesis_requests_to_every_rpc(plugin_dir: Path, start_plugin: Callab
     try:
         check()
         assert loop.run_until_complete(stub.GetDevicePluginOptions(pb.Empty(), timeout=5)) is not None
-        assert plugin.process.poll() is None
+        assert plugin.running()
     finally:
         loop.run_until_complete(channel.close())
         asyncio.set_event_loop(None)
@@ -204,15 +206,15 @@ def _listening_inodes() -> dict[int, str]:
 
 
 async def test_the_only_tcp_listener_is_the_http_endpoint(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., PluginProcess]
 ) -> None:
-    plugin = start_plugin(TWO_M3_MAX)
+    plugin = start_plugin_process(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
     url = await plugin.http_url()
     port = int(url.rsplit(":", 1)[1])
     sockets = set()
-    for fd in os.listdir(f"/proc/{plugin.process.pid}/fd"):
-        target = os.readlink(f"/proc/{plugin.process.pid}/fd/{fd}")
+    for fd in os.listdir(f"/proc/{plugin.pid}/fd"):
+        target = os.readlink(f"/proc/{plugin.pid}/fd/{fd}")
         if target.startswith("socket:["):
             sockets.add(int(target[8:-1]))
     mine = [address for inode, address in _listening_inodes().items() if inode in sockets]
@@ -281,4 +283,4 @@ async def test_hypothesis_claims_to_the_dra_driver(cluster: Cluster) -> None:
         asyncio.run_coroutine_threadsafe(both(claims), loop).result(60)
 
     await asyncio.to_thread(check)
-    assert cluster.started[0].process.poll() is None
+    assert cluster.started[0].running()

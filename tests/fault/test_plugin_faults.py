@@ -24,7 +24,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
-from tests.helpers import TWO_M3_MAX, PluginProcess
+from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess
 
 pytestmark = pytest.mark.fault
 APPLE = "apple.com/gpu"
@@ -40,7 +40,7 @@ def _rss_mib(pid: int) -> float:
 
 
 async def test_a_missing_directory_a_squatting_directory_and_a_link_loop_are_waited_out(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -51,14 +51,14 @@ async def test_a_missing_directory_a_squatting_directory_and_a_link_loop_are_wai
     plugin_dir.mkdir(exist_ok=True)
     await kubelet.start()
     await kubelet.wait_registered(APPLE, count=2, timeout=15)
-    assert plugin.process.poll() is None
+    assert plugin.running()
 
     # A directory squats on the socket's name.
     await kubelet.stop(remove_socket=False)
     (plugin_dir / SOCKET).unlink()
     (plugin_dir / SOCKET).mkdir()
     await plugin.wait_for_log("is a directory; the socket cannot be created there")
-    assert plugin.process.poll() is None
+    assert plugin.running()
     (plugin_dir / SOCKET).rmdir()
 
     # kubelet.sock is a symlink loop.
@@ -67,11 +67,11 @@ async def test_a_missing_directory_a_squatting_directory_and_a_link_loop_are_wai
     (plugin_dir / "loop-b").symlink_to(plugin_dir / "loop-a")
     (plugin_dir / "kubelet.sock").symlink_to(plugin_dir / "loop-a")
     await plugin.wait_for_log("cannot be reached")
-    assert plugin.process.poll() is None
+    assert plugin.running()
     (plugin_dir / "kubelet.sock").unlink()
     await kubelet.start()
     await kubelet.wait_registered(APPLE, count=3, timeout=15)
-    assert plugin.process.poll() is None
+    assert plugin.running()
 
 
 def test_a_socket_deleted_as_soon_as_it_appears_never_kills_the_plugin(plugin_dir: Path) -> None:
@@ -94,7 +94,7 @@ def test_a_socket_deleted_as_soon_as_it_appears_never_kills_the_plugin(plugin_di
         stop.set()
         thread.join()
         assert deleted > 0
-        assert plugin.process.poll() is None, plugin.log()[-3000:]
+        assert plugin.running(), plugin.log()[-3000:]
 
         async def registers() -> None:
             async with KubeletEmulator(plugin_dir) as kubelet:
@@ -109,12 +109,12 @@ def test_a_socket_deleted_as_soon_as_it_appears_never_kills_the_plugin(plugin_di
 
 
 async def test_listandwatch_clients_that_never_read_cost_bounded_memory(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., PluginProcess], plugin_dir: Path
 ) -> None:
     many = TWO_M3_MAX.replace("count: 2", "count: 100").replace("replicas: 4", "replicas: 100")
-    plugin = start_plugin(many)
+    plugin = start_plugin_process(many)
     await kubelet.wait_registered(APPLE, timeout=30)
-    before = _rss_mib(plugin.process.pid)
+    before = _rss_mib(plugin.pid)
     channels = []
     calls = []
     for _ in range(40):
@@ -130,14 +130,14 @@ async def test_listandwatch_clients_that_never_read_cost_bounded_memory(
         plugin.write_config(many.replace("numaNode: 0", f"numaNode: 0, health: {health}"))
         plugin.send(signal.SIGHUP)
         await asyncio.sleep(0.5)
-    grown = _rss_mib(plugin.process.pid) - before
+    grown = _rss_mib(plugin.pid) - before
     for call in calls:
         call.cancel()
     for channel in channels:
         await channel.close()
     assert grown < 60, f"memory grew by {grown:.0f} MiB"
     assert "ending the oldest" in plugin.log()
-    assert plugin.process.poll() is None
+    assert plugin.running()
     # The kubelet's own stream was ended by the newer ones; it registers again and gets its list.
     endpoint = await kubelet.wait_registered(APPLE, timeout=30)
     assert endpoint.connected
@@ -148,7 +148,7 @@ async def test_listandwatch_clients_that_never_read_cost_bounded_memory(
 
 @pytest.mark.timeout(600)
 async def test_after_any_storm_of_restarts_the_plugin_registers_within_a_second(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -193,7 +193,7 @@ async def test_after_any_storm_of_restarts_the_plugin_registers_within_a_second(
 
 
 async def test_huge_allocate_requests_get_invalid_argument_naming_a_few_ids(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     endpoint = await kubelet.wait_registered(APPLE)
@@ -212,7 +212,7 @@ async def test_huge_allocate_requests_get_invalid_argument_naming_a_few_ids(
 
 
 async def test_twenty_idle_connections_leave_the_probes_answering(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess]
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon]
 ) -> None:
     plugin = start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE)
@@ -257,7 +257,7 @@ def test_a_sighup_during_start_up_is_deferred_not_fatal(plugin_dir: Path) -> Non
             await plugin.wait_for_log("config reloaded")
 
         asyncio.run(registers())
-        assert plugin.process.poll() is None
+        assert plugin.running()
     finally:
         plugin.kill()
 
@@ -306,19 +306,19 @@ VIRTIO = "version: v1\nbackend: simulated\nsimulated:\n  gpus:\n    - {model: X,
 
 @pytest.mark.parametrize("huge", [False, True], ids=["dripping", "huge"])
 async def test_a_slow_or_huge_host_agent_costs_neither_registration_nor_memory(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], tmp_path: Path, huge: bool
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., PluginProcess], tmp_path: Path, huge: bool
 ) -> None:
     token = tmp_path / "token"
     token.write_text("secret\n")
     async with _HostileAgent(huge) as agent:
         began = time.monotonic()
-        plugin = start_plugin(VIRTIO, "--host-agent", f"http://127.0.0.1:{agent.port}",
+        plugin = start_plugin_process(VIRTIO, "--host-agent", f"http://127.0.0.1:{agent.port}",
                               "--host-agent-token-file", str(token))
         await kubelet.wait_registered("gpuppetti.dev/gpu", timeout=10)
         assert time.monotonic() - began < 5.0, "registration does not wait for the agent"
         await plugin.wait_for_log("serving the config's virtio facts until it does", timeout=20)
-        assert _rss_mib(plugin.process.pid) < 150, "the answer is not read whole"
-        assert plugin.process.poll() is None
+        assert _rss_mib(plugin.pid) < 150, "the answer is not read whole"
+        assert plugin.running()
 
 
 # -- 17. what a container can plant ------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ async def test_a_slow_or_huge_host_agent_costs_neither_registration_nor_memory(
 @pytest.mark.skipif(not (BUILT / LIBRARY).exists(), reason="the Vulkan layer is not built here (make native: needs "
                     "a C compiler and libvulkan-dev)")
 async def test_what_a_container_plants_in_its_layer_directory_is_never_followed(
-    kubelet: KubeletEmulator, start_plugin: Callable[..., PluginProcess], plugin_dir: Path, tmp_path: Path
+    kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path, tmp_path: Path
 ) -> None:
     # A container has its allocation's directory read-write: it can put a FIFO, or a link to one or to an endless
     # file, where the plugin reads the allocation's units at start, and a link where it writes an accounting file.
@@ -358,7 +358,7 @@ async def test_what_a_container_plants_in_its_layer_directory_is_never_followed(
     assert again.device_ids == first.device_ids
     assert victim.read_text() == "not the plugin's\n"
     assert not (directory / "slice-0.acct").is_symlink() and not (directory / "units").is_symlink()
-    assert plugin.process.poll() is None
+    assert plugin.running()
 
 
 # -- 18. Ctrl-C --------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import yaml
 
 from gpuppetti.commands import manifests
 from gpuppetti.core.config import ConfigError, parse_config
-from tests.helpers import fenced_blocks, run_cli
+from tests.helpers import fenced_blocks, run_here
 
 helm_python: Any = None
 try:
@@ -69,7 +69,7 @@ class Case:
             if config is not None:
                 (tmp_path / "config.yaml").write_text(config)
                 args[args.index("CONFIG")] = str(tmp_path / "config.yaml")
-            result = run_cli("manifests", *args)
+            result = run_here("manifests", *args)
             assert result.returncode == 0, result.stderr
             text = result.stdout
         else:
@@ -259,7 +259,7 @@ def test_every_config_the_docs_show_passes_the_charts_schema(chart: Any) -> None
 @pytest.mark.parametrize(("values", "args"), [({}, []), ({"mode": "dra"}, ["--mode", "dra"])])
 def test_notes_print_the_node_labelling_command_as_manifests_does(
         chart: Any, values: dict[str, Any], args: list[str]) -> None:
-    result = run_cli("manifests", *args)
+    result = run_here("manifests", *args)
     command = result.stderr.split(": ")[-1].strip()
     assert command.startswith("kubectl label node NODE gpuppetti.dev/mode=")
     notes = render(chart, values)[f"{RELEASE}/templates/NOTES.txt"]

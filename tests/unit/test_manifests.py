@@ -15,7 +15,7 @@ import yaml
 from gpuppetti.commands import manifests
 from gpuppetti.core.config import DraSection, parse_config
 from gpuppetti.dra import opaque
-from tests.helpers import run_cli
+from tests.helpers import run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -43,7 +43,7 @@ def _kustomize(directory: Path) -> list[dict[str, Any]]:
 
 
 def _cli(*args: str) -> list[dict[str, Any]]:
-    result = run_cli("manifests", *args)
+    result = run_here("manifests", *args)
     assert result.returncode == 0, result.stderr
     return [o for o in yaml.safe_load_all(result.stdout) if o]
 
@@ -150,7 +150,7 @@ def test_label_node_adds_only_get_and_patch_on_nodes() -> None:
 def test_broken_config_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("version: v1\nsharing: {timeSlicing: {resources: [{name: x, replicas: 2}]}}\n")
-    result = run_cli("manifests", "--config", str(bad))
+    result = run_here("manifests", "--config", str(bad))
     assert result.returncode == 2
     assert f"{bad}: sharing.timeSlicing.resources[0].name" in result.stderr
 
@@ -166,7 +166,7 @@ def test_broken_config_is_refused(tmp_path: Path) -> None:
     ("--vulkan-layer-dir", "relative/dir", "must be an absolute path on the node"),
 ])
 def test_a_bad_flag_is_one_line_naming_it(flag: str, value: str, message: str) -> None:
-    result = run_cli("manifests", flag, value)
+    result = run_here("manifests", flag, value)
     assert result.returncode == 2 and not result.stdout
     [line] = result.stderr.strip().splitlines()[-1:]
     assert flag in line and message in line, result.stderr

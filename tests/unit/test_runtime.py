@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 
 import pytest
 
@@ -53,3 +55,31 @@ async def test_a_duty_that_will_not_stop_is_named_and_cancelled_again(
         await Runtime().run(start)
     assert cancellations == 2
     assert "still stopping after 0s: stubborn-duty; cancelling them again" in caplog.text
+
+
+async def test_a_runtime_that_is_not_its_process_leaves_its_signals_and_umask_and_releases_at_the_end() -> None:
+    """What a test's in-process daemon runs in: stopped through on_signal, what the exit would release released
+    once every duty has stopped."""
+    loop = asyncio.get_running_loop()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    events: list[str] = []
+
+    async def duty() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            events.append("duty stopped")
+
+    async def start(process: Runtime) -> None:
+        process.spawn("duty", duty())
+        process.at_end(lambda: events.append("released"))
+        assert not loop.remove_signal_handler(signal.SIGTERM), "no handler of its own"
+        process.on_signal(signal.SIGTERM)
+
+    runtime = Runtime(whole_process=False)
+    async with asyncio.timeout(5):
+        await runtime.run(start)
+    assert events == ["duty stopped", "released"]
+    assert runtime.stop_reason == "received SIGTERM"
+    assert os.umask(umask) == umask

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from types import FrameType
 
 EXIT_INTERRUPTED = 130
@@ -36,8 +37,10 @@ def install() -> None:
 
 
 def started() -> None:
-    """The command runs now: Ctrl-C is a KeyboardInterrupt again, which it handles."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """The command runs now: Ctrl-C is a KeyboardInterrupt again, which it handles. (Only the main thread has
+    signal handlers: a command run from another, as tests run them, leaves them alone.)"""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def take_pending_hangup() -> bool:

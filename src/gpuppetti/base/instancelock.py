@@ -52,6 +52,11 @@ class InstanceLock:
         self.waiting_for = None
         return True
 
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     async def acquire(self) -> None:
         """Take the lock, waiting for its holder to stop; logs what it waits for."""
         waited = 0.0

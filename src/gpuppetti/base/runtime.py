@@ -10,6 +10,7 @@ Duties that must stop in a given order (unregister before the service goes away)
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -32,12 +33,18 @@ class StartupError(Exception):
 
 
 class Runtime:
-    def __init__(self) -> None:
+    """``whole_process``: the runtime owns the process's signals and umask, as a daemon's does. A test that runs a
+    daemon in its own event loop runs it in a runtime that owns neither, and asks it to stop or reload through
+    ``on_signal``, the handler a signal would have called."""
+
+    def __init__(self, whole_process: bool = True) -> None:
+        self.whole_process = whole_process
         self.stopping = asyncio.Event()
         self.reload_requested = asyncio.Event()
         self.stop_reason: str | None = None
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._at_end: list[Callable[[], None]] = []
 
     def request_stop(self, why: str) -> None:
         if not self.stopping.is_set():
@@ -45,12 +52,17 @@ class Runtime:
             self.stop_reason = why
         self.stopping.set()
 
-    def _on_signal(self, signum: int) -> None:
+    def on_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:
             log.info("received SIGHUP; reloading")
             self.reload_requested.set()
         else:
             self.request_stop(f"received {signal.Signals(signum).name}")
+
+    def at_end(self, release: Callable[[], None]) -> None:
+        """Release something that the process's exit would release (a lock), once every duty has stopped: a daemon
+        that runs in a test's event loop outlives its runtime."""
+        self._at_end.append(release)
 
     def spawn(self, name: str, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Start a duty as a named task of the process's TaskGroup."""
@@ -66,10 +78,11 @@ class Runtime:
         """Run ``start`` (which builds the process and spawns its duties), then serve until a stop is asked for or
         a duty fails; then cancel every duty and wait for all of them to finish."""
         loop = asyncio.get_running_loop()
-        os.umask(UMASK)
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(signum, self._on_signal, signum)
-        if earlysignals.take_pending_hangup():
+        if self.whole_process:
+            os.umask(UMASK)
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.add_signal_handler(signum, self.on_signal, signum)
+        if self.whole_process and earlysignals.take_pending_hangup():
             log.info("received SIGHUP during start-up; reloading once started")
             self.reload_requested.set()
         # The stop deadline's watchdog runs outside the group: the group's exit is what it watches.
@@ -87,8 +100,11 @@ class Runtime:
             if stragglers is not None:
                 stragglers.cancel()
             self._group = None
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(signum)
+            for release in reversed(self._at_end):
+                release()
+            if self.whole_process:
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    loop.remove_signal_handler(signum)
 
     async def _report_stragglers(self) -> None:
         """Outside the group: at each deadline, name the duties that are still stopping and cancel them again."""
@@ -102,6 +118,9 @@ class Runtime:
 
     async def _start(self, start: Callable[[Runtime], Awaitable[None]]) -> None:
         await start(self)
+        if self.whole_process:
+            # Everything built at start lives as long as the process: keep the collector from scanning it again.
+            gc.freeze()
 
     async def reloads(self, reload: Callable[[], Awaitable[None]]) -> None:
         """The reload duty: one reload per SIGHUP (several while one runs make one more)."""

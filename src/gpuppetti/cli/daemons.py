@@ -4,39 +4,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from gpuppetti.base.runtime import Runtime
 from gpuppetti.cli.options import UsageError
 from gpuppetti.cli.status import EXIT_FAILURE, EXIT_OK, Failure
 from gpuppetti.core.config import ConfigError
 
 if TYPE_CHECKING:
-    from gpuppetti.node.daemon import Sources
+    from gpuppetti.node.daemon import Serving, Sources
 
 
-def plugin(args: argparse.Namespace) -> int:
+def plugin(args: argparse.Namespace, runtime: Runtime) -> Coroutine[Any, Any, None]:
     if args.label_node and not args.node_name:
         raise UsageError("--label-node needs this node's name: pass --node-name or set NODE_NAME")
     from gpuppetti.deviceplugin.run import Labelling, PluginOptions, run_plugin
 
     labelling = Labelling(args.node_name, args.kubeconfig) if args.label_node else None
-    options = PluginOptions(args.device_plugin_dir, args.http_address, args.cdi_dir, labelling, args.vulkan_layer_dir)
-    return run_daemon(run_plugin(sources(args), options))
+    options = PluginOptions(args.device_plugin_dir, serving(args), labelling)
+    return run_plugin(runtime, sources(args), options)
 
 
-def dra(args: argparse.Namespace) -> int:
+def dra(args: argparse.Namespace, runtime: Runtime) -> Coroutine[Any, Any, None]:
     if not args.node_name:
         raise UsageError("the node's name is required: pass --node-name or set NODE_NAME (in a DaemonSet, from the "
                          "downward API: fieldRef spec.nodeName)")
     from gpuppetti.dra.run import DraOptions, run_dra
 
-    options = DraOptions(args.node_name, args.registry_dir, args.plugins_dir, args.cdi_dir, args.kubeconfig,
-                         args.http_address, args.api_timeout, args.vulkan_layer_dir)
-    return run_daemon(run_dra(sources(args), options))
+    options = DraOptions(args.node_name, serving(args), args.registry_dir, args.plugins_dir, args.kubeconfig,
+                         args.api_timeout)
+    return run_dra(runtime, sources(args), options)
 
 
-def host_agent(args: argparse.Namespace) -> int:
+def host_agent(args: argparse.Namespace, runtime: Runtime) -> Coroutine[Any, Any, None]:
     from gpuppetti.base.webserver import parse_address
     from gpuppetti.hostagent import token
     from gpuppetti.hostagent.run import run_agent
@@ -51,7 +52,21 @@ def host_agent(args: argparse.Namespace) -> int:
         print(f"gpuppetti host-agent: created a token in {path} (mode 0600). Give it to the cluster once:\n\n"
               f"  {token.secret_command(path, args.namespace)}\n", flush=True)
     host, port = parse_address(args.listen)
-    return run_daemon(run_agent(secret, host, port, args.interval))
+    return run_agent(runtime, secret, host, port, args.interval)
+
+
+# Each long-running command: what it runs, given its options and the runtime it runs in.
+DAEMONS: dict[str, Callable[[argparse.Namespace, Runtime], Coroutine[Any, Any, None]]] = {
+    "plugin": plugin,
+    "dra": dra,
+    "host-agent": host_agent,
+}
+
+
+def run_daemon(args: argparse.Namespace) -> int:
+    """Run a long-running command as this process's whole life."""
+    asyncio.run(served(DAEMONS[args.command](args, Runtime())))
+    return EXIT_OK
 
 
 def sources(args: argparse.Namespace) -> Sources:
@@ -60,8 +75,14 @@ def sources(args: argparse.Namespace) -> Sources:
     return Sources(args.config, args.backend, args.host_root, args.host_agent, args.host_agent_token_file)
 
 
-def run_daemon(main: Coroutine[Any, Any, None]) -> int:
-    """Run a long-running command; a failure we expect becomes one clear line, not a traceback."""
+def serving(args: argparse.Namespace) -> Serving:
+    from gpuppetti.node.daemon import Serving
+
+    return Serving(args.http_address, args.cdi_dir, args.vulkan_layer_dir)
+
+
+async def served(main: Coroutine[Any, Any, None]) -> None:
+    """Await a long-running command; a failure we expect becomes one clear line, not a traceback."""
     from gpuppetti.base.runtime import StartupError
     from gpuppetti.base.webserver import AddressError
     from gpuppetti.deviceplugin.lifecycle import SocketDirError
@@ -69,7 +90,7 @@ def run_daemon(main: Coroutine[Any, Any, None]) -> int:
 
     expected = (SocketDirError, BackendUnavailable, StartupError, AddressError)
     try:
-        asyncio.run(main)
+        await main
     except expected as exc:
         raise Failure(str(exc), EXIT_FAILURE) from None
     except ExceptionGroup as group:
@@ -81,7 +102,6 @@ def run_daemon(main: Coroutine[Any, Any, None]) -> int:
         if known is None:
             raise
         raise Failure(str(_leaf(known)), EXIT_FAILURE) from None
-    return EXIT_OK
 
 
 def _leaf(error: BaseException) -> BaseException:

@@ -19,9 +19,9 @@ from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, Fa
 from gpuppetti.core.config import ConfigError
 
 COMMANDS: dict[str, Callable[..., int]] = {
-    "plugin": daemons.plugin,
-    "dra": daemons.dra,
-    "host-agent": daemons.host_agent,
+    "plugin": daemons.run_daemon,
+    "dra": daemons.run_daemon,
+    "host-agent": daemons.run_daemon,
     "discover": tools.discover,
     "doctor": tools.doctor,
     "top": tools.top,
@@ -45,12 +45,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         _setup_logging(args.log_level)
         earlysignals.started()
         return COMMANDS[args.command](args)
-    except UsageError as exc:
-        return fail(str(exc), EXIT_CONFIG)
-    except ConfigError as exc:
-        return fail(config_message(exc), EXIT_CONFIG)
-    except Failure as exc:
-        return fail(exc.message, exc.code)
+    except (UsageError, ConfigError, Failure) as exc:
+        return fail(*outcome(exc))
     except BrokenPipeError:
         # The reader of our output has gone (`| head`): nothing more to say, and nowhere to say it.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -58,6 +54,15 @@ def run(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         # A Ctrl-C before the process's own signal handling is in place (while it starts).
         return fail("interrupted", EXIT_INTERRUPTED)
+
+
+def outcome(error: UsageError | ConfigError | Failure) -> tuple[str, int]:
+    """The line a command that cannot go on ends with, and its exit code."""
+    if isinstance(error, UsageError):
+        return str(error), EXIT_CONFIG
+    if isinstance(error, ConfigError):
+        return config_message(error), EXIT_CONFIG
+    return error.message, error.code
 
 
 def config_message(error: ConfigError) -> str:

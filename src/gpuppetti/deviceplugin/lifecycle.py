@@ -183,6 +183,7 @@ class DevicePluginManager:
                         "the plugin waits (is --device-plugin-dir the kubelet's device plugin directory?)",
                         self.directory, KUBELET_SOCKET)
         await self.lock.acquire()
+        runtime.at_end(self.lock.release)
         try:
             await self._write_cdi_spec()
         except OSError as exc:

@@ -6,7 +6,6 @@ one supervisor per resource, the health monitor's duties, node labels, and confi
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
-from gpuppetti.node.daemon import Sources, reload, start_inventory, where_looked
+from gpuppetti.node.daemon import Serving, Sources, reload, start_inventory, where_looked
 from gpuppetti.node.httpserver import READY_NOTE, HttpServer
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.node.report import gpu_records, slice_records
@@ -34,15 +33,12 @@ class Labelling:
 @dataclass(frozen=True)
 class PluginOptions:
     device_plugin_dir: Path
-    http_address: str | None = None
-    cdi_dir: Path | None = None
+    serving: Serving
     labelling: Labelling | None = None
-    # Where the Vulkan layer is installed for the containers; None: slices are not enforced.
-    vulkan_layer_dir: Path | None = None
 
 
-async def run_plugin(sources: Sources, options: PluginOptions) -> None:
-    await Runtime().run(lambda runtime: start_plugin(runtime, sources, options))
+async def run_plugin(runtime: Runtime, sources: Sources, options: PluginOptions) -> None:
+    await runtime.run(lambda runtime: start_plugin(runtime, sources, options))
 
 
 async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOptions) -> None:
@@ -53,14 +49,14 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
         log.info("advertising %s: %d unit(s)", name, len(plan.units))
     metrics.watch(inventory)
     enforcer = None
-    enforcement = await install_layer(options.vulkan_layer_dir)
+    enforcement = await install_layer(options.serving.vulkan_layer_dir)
     metrics.slices_enforced.set(int(enforcement.enforced))
     if (layer := enforcement.layer) is not None:
         enforcer = Enforcer(layer, pod_resources_socket(options.device_plugin_dir))
         metrics.watch_slices(enforcer)
         await enforcer.start({unit.id for plan in inventory.plan.values() for unit in plan.units})
         runtime.spawn("layer-directories", enforcer.keep_in_use())
-    manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.cdi_dir,
+    manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.serving.cdi_dir,
                                   enforcer=enforcer)
 
     def waiting_for() -> str | None:
@@ -75,8 +71,8 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot)
     http.slices = lambda: slice_records(enforcer)
-    if options.http_address:
-        await http.start(options.http_address)
+    if options.serving.http_address:
+        await http.start(options.serving.http_address)
         runtime.spawn("http", http.serve())
 
     labelling = options.labelling
@@ -94,5 +90,3 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
         runtime.spawn(name, duty)
     runtime.spawn("config-reload", runtime.reloads(lambda: reload(sources, inventory, monitor)))
     await manager.run(runtime)
-    # Everything built at start lives as long as the process: keep the collector from scanning it again.
-    gc.freeze()

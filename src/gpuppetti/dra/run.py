@@ -9,7 +9,6 @@ the publisher converges once the API is back.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 from gpuppetti.base.backoff import Backoff
 from gpuppetti.base.fsutil import make_directory
 from gpuppetti.base.instancelock import InstanceLock
-from gpuppetti.base.nodepaths import DEFAULT_CDI_DIR, DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
+from gpuppetti.base.nodepaths import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
@@ -28,7 +27,7 @@ from gpuppetti.dra.state import DraState
 from gpuppetti.kit.endpoint import UnixEndpoint
 from gpuppetti.kit.publisher import SlicePublisher
 from gpuppetti.kit.registration import PluginRegistration, serve_and_register
-from gpuppetti.node.daemon import Sources, reload, start_inventory
+from gpuppetti.node.daemon import Serving, Sources, reload, start_inventory
 from gpuppetti.node.httpserver import READY_NOTE, HttpServer
 from gpuppetti.node.kube import REQUEST_TIMEOUT_S, ConfigError, Kube, load_config
 from gpuppetti.node.metrics import Metrics
@@ -44,14 +43,11 @@ STOP_GRACE_S = 1.0
 @dataclass(frozen=True)
 class DraOptions:
     node_name: str
+    serving: Serving
     registry_dir: Path = DEFAULT_REGISTRY_DIR
     plugins_dir: Path = DEFAULT_PLUGINS_DIR
-    cdi_dir: Path = DEFAULT_CDI_DIR
     kubeconfig: Path | None = None
-    http_address: str | None = None
     api_timeout: float = REQUEST_TIMEOUT_S
-    # Where the Vulkan layer is installed for the containers; None: slices are not enforced.
-    vulkan_layer_dir: Path | None = None
 
 
 async def _keep_cdi_specs(state: DraState) -> None:
@@ -86,8 +82,8 @@ async def _keep_cdi_specs(state: DraState) -> None:
             backoff.reset()
 
 
-async def run_dra(sources: Sources, options: DraOptions) -> None:
-    await Runtime().run(lambda runtime: start_dra(runtime, sources, options))
+async def run_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
+    await runtime.run(lambda runtime: start_dra(runtime, sources, options))
 
 
 async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
@@ -95,13 +91,14 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     inventory, monitor, _ = await start_inventory(sources)
     metrics = Metrics()
     http = HttpServer(metrics)
-    if options.http_address:
-        await http.start(options.http_address)
+    serving = options.serving
+    if serving.http_address:
+        await http.start(serving.http_address)
         runtime.spawn("http", http.serve())
     metrics.watch(inventory)
     driver = inventory.config.dra.driver_name
     plugin_dir = options.plugins_dir / driver
-    for directory in (plugin_dir, options.registry_dir, options.cdi_dir):
+    for directory in (plugin_dir, options.registry_dir, serving.cdi_dir):
         try:
             make_directory(directory)
         except OSError as exc:
@@ -109,6 +106,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     lock = InstanceLock(plugin_dir, "DRA driver")
     http.readiness = lambda: lock.waiting_for or "taking the driver's lock"
     await lock.acquire()
+    runtime.at_end(lock.release)
 
     try:
         config = load_config(options.kubeconfig)
@@ -122,9 +120,9 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         checkpoint.load()
     except UnusableCheckpoint as exc:
         raise StartupError(str(exc)) from exc
-    enforcement = await install_layer(options.vulkan_layer_dir)
+    enforcement = await install_layer(serving.vulkan_layer_dir)
     metrics.slices_enforced.set(int(enforcement.enforced))
-    state = DraState(inventory, options.node_name, options.cdi_dir, checkpoint, kube, layer=enforcement.layer)
+    state = DraState(inventory, options.node_name, serving.cdi_dir, checkpoint, kube, layer=enforcement.layer)
     restored = await state.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
@@ -162,7 +160,6 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         runtime.spawn(name, duty)
     runtime.spawn("config-reload", runtime.reloads(lambda: reload(sources, inventory, monitor)))
     runtime.spawn("api-client", _close_at_stop(kube))
-    gc.freeze()
 
 
 async def _close_at_stop(kube: Kube) -> None:

@@ -10,8 +10,8 @@ from gpuppetti.hostagent.server import Collector, HostAgent
 log = logging.getLogger(__name__)
 
 
-async def run_agent(token: str, host: str | None, port: int, interval: float) -> None:
-    await Runtime().run(lambda runtime: start_agent(runtime, token, host, port, interval))
+async def run_agent(runtime: Runtime, token: str, host: str | None, port: int, interval: float) -> None:
+    await runtime.run(lambda runtime: start_agent(runtime, token, host, port, interval))
 
 
 async def start_agent(runtime: Runtime, token: str, host: str | None, port: int, interval: float) -> None:

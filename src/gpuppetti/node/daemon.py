@@ -36,6 +36,16 @@ class Sources:
 
 
 @dataclass(frozen=True)
+class Serving:
+    """What both front ends take from the same flags: where the HTTP endpoint listens (None: nowhere), where CDI
+    specs go, and where the Vulkan layer is installed for the containers (None: slices are not enforced)."""
+
+    http_address: str | None
+    cdi_dir: Path
+    vulkan_layer_dir: Path | None
+
+
+@dataclass(frozen=True)
 class Discovered:
     config: Config
     backends: list[Backend]
