@@ -36,12 +36,17 @@ sharing:
 CALLER_ONLY = ("NODE_NAME", "KUBECONFIG", "CONTAINER_RUNTIME_ENDPOINT", "COLUMNS", "LINES")
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``gpuppetti ARGS`` to completion, with none of the caller's settings for it, plus ``env``."""
+def _command_environment(env: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment with none of the caller's settings for the command, plus ``env``."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_") and k not in CALLER_ONLY}
     environment.update(env or {})
+    return environment
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``gpuppetti ARGS`` to completion, with none of the caller's settings for it, plus ``env``."""
     return subprocess.run([sys.executable, "-m", "gpuppetti", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=environment)
+                          timeout=timeout, check=False, env=_command_environment(env))
 
 
 def run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -51,8 +56,7 @@ def run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     fails the test."""
     from gpuppetti.cli.main import run
 
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_") and k not in CALLER_ONLY}
-    environment.update(env or {})
+    environment = _command_environment(env)
     saved = dict(os.environ)
     # What a command may set for its whole process (the demo's runtime: the umask, a frozen heap), put back.
     umask = os.umask(0o022)

@@ -53,8 +53,7 @@ _SAVED_LEVEL: list[int] = []
 
 
 class InProcessDaemon(Daemon):
-    def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str,
-                 environ: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str) -> None:
         super().__init__(args, config_text, workdir, name)
         self._log = self.log_path.open("a", buffering=1)
         self.runtime = Runtime(whole_process=False)
@@ -63,18 +62,19 @@ class InProcessDaemon(Daemon):
             _LOGGER.setLevel(logging.DEBUG)
             _LOGGER.addHandler(_HANDLER)
         _RUNNING.append(self)
-        # The environment only as the command line reads it: the flags' env vars.
-        self.task = asyncio.get_running_loop().create_task(self._serve(environ or {}), name=name,
+        self.task = asyncio.get_running_loop().create_task(self._serve(), name=name,
                                                            context=contextvars.copy_context())
 
     def write(self, line: str) -> None:
         if not self._log.closed:
             self._log.write(line + "\n")
 
-    async def _serve(self, environ: dict[str, str]) -> int:
+    async def _serve(self) -> int:
         _CURRENT.set(self)
         try:
-            args = parse(self.argv, environ)
+            # No env var reaches the command line: a test says on it what it means (an environment is a process's,
+            # and a test that needs one starts a DaemonProcess).
+            args = parse(self.argv, {})
             await served(DAEMONS[args.command](args, self.runtime))
             return EXIT_OK
         except (UsageError, ConfigError, Failure) as exc:

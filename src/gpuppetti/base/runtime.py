@@ -82,9 +82,9 @@ class Runtime:
             os.umask(UMASK)
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.add_signal_handler(signum, self.on_signal, signum)
-        if self.whole_process and earlysignals.take_pending_hangup():
-            log.info("received SIGHUP during start-up; reloading once started")
-            self.reload_requested.set()
+            if earlysignals.take_pending_hangup():
+                log.info("received SIGHUP during start-up; reloading once started")
+                self.reload_requested.set()
         # The stop deadline's watchdog runs outside the group: the group's exit is what it watches.
         stragglers: asyncio.Task[None] | None = None
         try:
