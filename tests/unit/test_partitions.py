@@ -6,12 +6,12 @@ from fractions import Fraction
 
 import pytest
 
-from gpuppetti.core.model import Gpu
+from gpuppetti.core.model import Gpu, Health, Serves
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.slices import pool_content
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.sharing.pool import build_pool
-from gpuppetti.sharing.remarks import MAX_DEVICES_PER_NODE, pool_remarks
+from gpuppetti.sharing.remarks import MAX_DEVICES_PER_NODE, config_remarks, pool_remarks
 from gpuppetti.sharing.shares import ShareError, claim_share
 from tests.helpers import config_from
 
@@ -58,22 +58,42 @@ def test_capacity_layout_slices_are_small_and_counter_free() -> None:
 
 
 def test_a_gpu_of_unknown_memory_falls_back_to_counters_and_says_so() -> None:
-    gpus, inventory = _setup("{slicing: partitions, partitions: [4]}",
-                             "{model: Apple M3 Max, vendor: apple, cores: 40, count: 1}")
+    inventory = _setup("{slicing: partitions, partitions: [4]}",
+                       "{model: Apple M3 Max, vendor: apple, cores: 40, count: 1}")[1]
     assert set(inventory.snapshot.pool.devices) == {"gpu-apple-0", *(f"gpu-apple-0-p4-{p}" for p in range(4))}
-    [remark] = pool_remarks(gpus, inventory.config.dra)
+    [remark] = pool_remarks(inventory.snapshot.pool, inventory.config.dra)
     assert remark.warning and remark.path == "dra.partitions" and "memory is unknown" in remark.why
 
 
 def test_the_counters_layout_and_too_many_devices_are_warned_about() -> None:
-    gpus, inventory = _setup("{slicing: partitions, partitionLayout: counters}")
-    [remark] = pool_remarks(gpus, inventory.config.dra)
+    inventory = _setup("{slicing: partitions, partitionLayout: counters}")[1]
+    [remark] = pool_remarks(inventory.snapshot.pool, inventory.config.dra)
     assert remark.path == "dra.partitionLayout" and "30 devices on this node" in remark.why
     assert "docs/scale.md" in remark.why
     for dra in ("{slicing: partitions}", "{slicing: whole}", "{slicing: consumable}"):
-        assert pool_remarks(gpus, _setup(dra)[1].config.dra) == [], dra
+        inventory = _setup(dra)[1]
+        assert pool_remarks(inventory.snapshot.pool, inventory.config.dra) == [], dra
     many = f"{{model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, count: {MAX_DEVICES_PER_NODE + 1}}}"
-    gpus, inventory = _setup("{slicing: whole}", many)
-    [remark] = pool_remarks(gpus, inventory.config.dra)
+    inventory = _setup("{slicing: whole}", many)[1]
+    [remark] = pool_remarks(inventory.snapshot.pool, inventory.config.dra)
     assert f"{MAX_DEVICES_PER_NODE + 1} devices on this node" in remark.why
     assert build_pool([], inventory.config.dra).devices == {}
+
+
+def test_each_front_end_derives_and_remarks_on_only_its_own_half() -> None:
+    config = config_from("version: v1\nbackend: simulated\nsimulated:\n  gpus: [{model: Apple M3 Max, vendor: apple, "
+                         "cores: 40, memory: 48Gi, count: 2}]\nsharing:\n  timeSlicing:\n    resources: "
+                         "[{name: nvidia.com/gpu, replicas: 4}]\n"
+                         "dra: {slicing: partitions, partitionLayout: counters}\n")
+    gpus = SimulatedBackend(config.simulated).discover()
+    driver = Inventory(config, gpus, Serves.POOL)
+    assert not driver.snapshot.plan and len(driver.snapshot.pool.devices) == 30
+    plugin = Inventory(config, gpus, Serves.UNITS)
+    assert set(plugin.snapshot.plan) == {"apple.com/gpu"} and not plugin.snapshot.pool.devices
+    plugin.set_health(gpus[0].id, Health.UNHEALTHY)
+    driver.set_health(gpus[0].id, Health.UNHEALTHY)
+    assert not plugin.snapshot.pool.devices and not driver.snapshot.plan, "a new snapshot derives the same half"
+    assert [r.path for r in config_remarks(gpus, config, Serves.UNITS)] == ["sharing.timeSlicing.resources[0].name"]
+    assert [r.path for r in config_remarks(gpus, config, Serves.POOL, driver.snapshot.pool)] == \
+        ["dra.partitionLayout"]
+    assert len(config_remarks(gpus, config)) == 2, "the commands that show both remark on both"

@@ -31,6 +31,15 @@ DEFAULT_RESOURCE_NAMES: dict[Vendor, str] = {
 FALLBACK_RESOURCE_NAME = "gpuppetti.dev/gpu"
 
 
+class Serves(enum.Flag):
+    """What a process offers the kubelet, and so what is derived from its GPUs: the device plugin's units, the DRA
+    driver's pool, or both (the commands that show what either front end would offer)."""
+
+    UNITS = enum.auto()
+    POOL = enum.auto()
+    BOTH = UNITS | POOL
+
+
 def default_resource_name(vendor: Vendor) -> str:
     return DEFAULT_RESOURCE_NAMES.get(vendor, FALLBACK_RESOURCE_NAME)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuppetti.base.runtime import Runtime, StartupError
+from gpuppetti.core.model import Serves
 from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.node.daemon import Serving, Sources, reload, start_inventory, where_looked
@@ -43,7 +44,7 @@ async def run_plugin(runtime: Runtime, sources: Sources, options: PluginOptions)
 
 async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOptions) -> None:
     # The config first: a broken one must stop the process before it listens anywhere.
-    inventory, monitor, found = await start_inventory(sources)
+    inventory, monitor, found = await start_inventory(sources, Serves.UNITS)
     metrics = Metrics()
     for name, plan in inventory.plan.items():
         log.info("advertising %s: %d unit(s)", name, len(plan.units))

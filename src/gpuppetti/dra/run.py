@@ -20,6 +20,7 @@ from gpuppetti.base.nodepaths import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
+from gpuppetti.core.model import Serves
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
 from gpuppetti.dra.plugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
 from gpuppetti.dra.slices import pool_content
@@ -88,7 +89,7 @@ async def run_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> No
 
 async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
     # The config first: a broken one must stop the process before it listens anywhere.
-    inventory, monitor, _ = await start_inventory(sources)
+    inventory, monitor, _ = await start_inventory(sources, Serves.POOL)
     metrics = Metrics()
     http = HttpServer(metrics)
     serving = options.serving

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gpuppetti.base.runtime import StartupError
 from gpuppetti.core.config import Config, ConfigError, load_config
-from gpuppetti.core.model import Gpu
+from gpuppetti.core.model import Gpu, Serves
 from gpuppetti.discovery import Backend, BackendUnavailable, HostFacts, backends_for, discover, looked_at
 from gpuppetti.hostagent.client import HostAgentSource
 from gpuppetti.node.inventory import Inventory
@@ -89,24 +89,26 @@ def describe(gpus: list[Gpu]) -> str:
     return named if len(gpus) <= DESCRIBED_GPUS else f"{named} and {len(gpus) - DESCRIBED_GPUS:,} more"
 
 
-async def start_inventory(sources: Sources) -> tuple[Inventory, HealthMonitor, Discovered]:
+async def start_inventory(sources: Sources, serves: Serves) -> tuple[Inventory, HealthMonitor, Discovered]:
     """Load, discover and build the inventory. Finding nothing is not an error: a daemon then serves nothing, says
     why, and serves what appears later (a GPU hot-plugged, or a reload). The host agent is not waited for: the
     monitor asks it, and the GPUs take its facts when it answers."""
     found = await asyncio.to_thread(load_and_discover, sources)
-    inventory = Inventory(found.config, found.gpus)
+    inventory = Inventory(found.config, found.gpus, serves)
     if found.gpus:
         log.info("found %d GPU(s) with %s: %s", len(found.gpus), ", ".join(b.name for b in found.backends),
                  describe(found.gpus))
     else:
         log.warning("%s\nserving nothing until a GPU appears", nothing_found(found))
-    warn_about_config(found.config, found.gpus)
+    warn_about_config(inventory)
     agent = host_agent(sources, found.config)
     return inventory, HealthMonitor(inventory, found.backends, agent), found
 
 
-def warn_about_config(config: Config, gpus: list[Gpu]) -> None:
-    for remark in config_remarks(gpus, config):
+def warn_about_config(inventory: Inventory) -> None:
+    snapshot = inventory.snapshot
+    gpus, config = list(snapshot.gpus.values()), snapshot.config
+    for remark in config_remarks(gpus, config, inventory.serves, snapshot.pool):
         log.log(logging.WARNING if remark.warning else logging.INFO, "%s: %s: %s", config.source, remark.path,
                 remark.why)
 
@@ -134,9 +136,12 @@ async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor)
                       "process runs (restart it to change it)", found.config.source, field)
             return
         inventory.replace(found.config, found.gpus)
-        warn_about_config(found.config, found.gpus)
+        warn_about_config(inventory)
     except (ConfigError, BackendUnavailable) as exc:
         log.error("config reload failed; keeping the previous config:\n%s", exc)
         return
     monitor.set_backends(found.backends)
-    log.info("config reloaded: %s", ", ".join(f"{n}={len(p.units)}" for n, p in inventory.plan.items()))
+    offered = [f"{n}={len(p.units)}" for n, p in inventory.plan.items()]
+    if Serves.POOL in inventory.serves:
+        offered.append(f"{len(inventory.snapshot.pool.devices)} DRA device(s)")
+    log.info("config reloaded: %s", ", ".join(offered) or "nothing to offer")

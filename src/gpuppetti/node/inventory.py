@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from gpuppetti.core.config import Config
-from gpuppetti.core.model import Gpu, Health
+from gpuppetti.core.model import Gpu, Health, Serves
 from gpuppetti.node.devicelists import DeviceListEncoder
 from gpuppetti.sharing.pool import Pool, build_pool
 from gpuppetti.sharing.replicas import ResourcePlan, build_plan
@@ -57,8 +57,12 @@ def _same_but_health(new: Mapping[str, Gpu], old: Mapping[str, Gpu]) -> bool:
 
 
 class Inventory:
-    def __init__(self, config: Config, gpus: Iterable[Gpu]) -> None:
+    """``serves`` says what is derived: the device plugin has no pool and the DRA driver no units (at 10,000 GPUs
+    either would cost the other tens of milliseconds and megabytes for nothing); the other is then empty."""
+
+    def __init__(self, config: Config, gpus: Iterable[Gpu], serves: Serves = Serves.BOTH) -> None:
         self._encoder = DeviceListEncoder()
+        self.serves = serves
         # Raises ConfigError before anything starts if the sharing section does not fit these GPUs.
         self._snapshot = self._build(0, config, {gpu.id: gpu for gpu in gpus}, None)
         self._changed = asyncio.Event()
@@ -66,14 +70,18 @@ class Inventory:
     def _build(self, version: int, config: Config, gpus: dict[str, Gpu], previous: Snapshot | None) -> Snapshot:
         same_gpus = previous is not None and _same_but_health(gpus, previous.gpus)
         gpu_list = list(gpus.values())
-        if previous is not None and same_gpus and config.sharing == previous.config.sharing:
-            plan = previous.plan
-        else:
-            plan = MappingProxyType(build_plan(gpu_list, config.sharing.time_slicing, config.source))
-        if previous is not None and same_gpus and config.dra == previous.config.dra:
-            pool = previous.pool
-        else:
-            pool = build_pool(gpu_list, config.dra)
+        plan: Mapping[str, ResourcePlan] = MappingProxyType({})
+        pool = Pool(config.dra.slicing, MappingProxyType({}))
+        if Serves.UNITS in self.serves:
+            if previous is not None and same_gpus and config.sharing == previous.config.sharing:
+                plan = previous.plan
+            else:
+                plan = MappingProxyType(build_plan(gpu_list, config.sharing.time_slicing, config.source))
+        if Serves.POOL in self.serves:
+            if previous is not None and same_gpus and config.dra == previous.config.dra:
+                pool = previous.pool
+            else:
+                pool = build_pool(gpu_list, config.dra)
         return Snapshot(version, config, MappingProxyType(gpus), plan, pool, self._encoder)
 
     @property

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpuppetti.core.config import Config, DraSection
-from gpuppetti.core.model import Gpu
-from gpuppetti.sharing.pool import build_pool
+from gpuppetti.core.model import Gpu, Serves
+from gpuppetti.sharing.pool import Pool, build_pool
 from gpuppetti.sharing.replicas import Remark, plan_remarks
 
 # Measured with a real scheduler over simulated nodes (make bench-scale, docs/scale.md): 120 devices per node cost
@@ -15,14 +15,17 @@ from gpuppetti.sharing.replicas import Remark, plan_remarks
 MAX_DEVICES_PER_NODE = 64
 
 
-def config_remarks(gpus: Sequence[Gpu], config: Config) -> list[Remark]:
-    return [*plan_remarks(gpus, config.sharing.time_slicing), *pool_remarks(gpus, config.dra)]
+def config_remarks(gpus: Sequence[Gpu], config: Config, serves: Serves = Serves.BOTH,
+                   pool: Pool | None = None) -> list[Remark]:
+    """The remarks on the sections that what is served reads (a DRA driver has no time-slicing to remark on).
+    ``pool`` is these GPUs' pool where the caller has built it already (at 10,000 GPUs, tens of milliseconds)."""
+    remarks = plan_remarks(gpus, config.sharing.time_slicing) if Serves.UNITS in serves else []
+    if Serves.POOL in serves:
+        remarks += pool_remarks(pool if pool is not None else build_pool(gpus, config.dra), config.dra)
+    return remarks
 
 
-def pool_remarks(gpus: Sequence[Gpu], dra: DraSection) -> list[Remark]:
-    if not gpus:
-        return []
-    pool = build_pool(gpus, dra)
+def pool_remarks(pool: Pool, dra: DraSection) -> list[Remark]:
     remarks: list[Remark] = []
     if pool.counter_sets:
         path = "dra.partitionLayout" if dra.partition_layout == "counters" else "dra.partitions"
