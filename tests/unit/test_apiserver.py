@@ -116,7 +116,7 @@ async def test_a_list_comes_in_pages_and_the_driver_keeps_only_the_claims_it_nam
                                                 "metadata": {"name": f"c{n}", "namespace": "ns"}}, "ns")
     driver_api = kube.Kube(load_config(tmp_path / "kubeconfig"))
     try:
-        found = await driver_api.list_claims("ns", {"c0", "c4", "missing"})
+        found = {claim.metadata.name: claim async for claim in driver_api.list_claims("ns", {"c0", "c4", "missing"})}
     finally:
         await driver_api.close()
     assert sorted(found) == ["c0", "c4"]

@@ -16,7 +16,7 @@ def _saved(tmp_path: Path) -> Checkpoint:
     checkpoint.save({"uid-1": ClaimRecord(
         "uid-1", "default", "claim", COMPLETED,
         [PreparedDevice(["gpu"], "node1", "gpu-apple-0", ["k/c=claim-uid-1-gpu"], "s1")],
-        {"cdiVersion": "0.3.0"}, "k-c_uid-1.json")})
+        cdi.encode_spec({"cdiVersion": "0.3.0"}).encode(), "k-c_uid-1.json")})
     return checkpoint
 
 
@@ -120,19 +120,19 @@ def _record(uid: str, state: str = COMPLETED, spec: dict[str, Any] | None = None
     spec = spec or {"cdiVersion": "0.3.0", "kind": "gpu.gpuppetti.dev/gpu", "devices": [
         {"name": f"claim-{uid}-gpu", "containerEdits": {"env": [f"GPUPPETTI_CLAIM={uid}", "Ü=\"quoted\""]}}]}
     return ClaimRecord(uid, "default", f"claim-{uid}", COMPLETED,
-                       [PreparedDevice(["gpu"], "node1", "gpu-apple-0", [f"k/c=claim-{uid}-gpu"])], spec,
-                       f"k-c_{uid}.json", {"dra-x": [1 << 30]})
+                       [PreparedDevice(["gpu"], "node1", "gpu-apple-0", [f"k/c=claim-{uid}-gpu"])],
+                       cdi.encode_spec(spec).encode(), f"k-c_{uid}.json", {"dra-x": [1 << 30]})
 
 
 def test_saves_encode_only_new_records_and_write_what_a_fresh_encoding_would(tmp_path: Path) -> None:
     checkpoint = Checkpoint(tmp_path / "checkpoint.json")
     started = {uid: _record(uid, STARTED) for uid in ("b", "a", "c")}
     checkpoint.save(started)
-    # The caller's own encoding of the specs is spliced in rather than encoded again.
+    # A record's spec (the bytes its CDI file holds) is spliced in rather than encoded again, as a JSON object.
     completed = {**started, "a": _record("a"), "c": _record("c")}
-    texts = {uid: cdi.encode_spec(completed[uid].cdi_spec or {}) for uid in ("a", "c")}
-    checkpoint.save(completed, texts)
+    checkpoint.save(completed)
     written = checkpoint.path.read_bytes()
+    assert json.loads(written)["claims"]["a"]["cdi_spec"] == json.loads(completed["a"].cdi_spec or b"")
     fresh = Checkpoint(tmp_path / "fresh.json")
     fresh.save(completed)
     assert written == fresh.path.read_bytes(), "byte for byte what encoding every record anew writes"

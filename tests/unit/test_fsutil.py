@@ -50,7 +50,7 @@ def test_many_specs_are_renamed_into_place_from_beside_them(tmp_path: Path, open
     victim = tmp_path / "victim"
     victim.write_text("precious")
     (tmp_path / "b.json").symlink_to(victim)
-    assert cdi.write_specs(tmp_path, {"a.json": {"a": 1}, "b.json": {"b": 2}}) == {}
+    assert cdi.write_spec_files(tmp_path, {"a.json": b'{"a":1}\n', "b.json": b'{"b":2}\n'}) == {}
     assert json.loads((tmp_path / "a.json").read_text()) == {"a": 1}
     assert json.loads((tmp_path / "b.json").read_text()) == {"b": 2}
     assert victim.read_text() == "precious" and not (tmp_path / "b.json").is_symlink()

@@ -13,7 +13,7 @@ import os
 import stat
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
@@ -43,9 +43,10 @@ def make_directory(path: Path, mode: int = 0o755) -> None:
         raise NotADirectoryError(f"{path} is not a directory")
 
 
-def atomic_write(path: Path | str, data: bytes, mode: int = 0o644, durable: bool = True,
+def atomic_write(path: Path | str, data: bytes | Iterable[bytes], mode: int = 0o644, durable: bool = True,
                  make_parent: bool = True) -> None:
-    """Write ``data`` to ``path`` atomically: readers see the old content or the new, never half of it.
+    """Write ``data`` to ``path`` atomically: readers see the old content or the new, never half of it. ``data``
+    may come in pieces, so that a large file is never held whole in memory.
 
     ``durable`` also fsyncs the file and the directory, so the new content survives a power cut; files that are
     re-derived from durable state at start can skip that cost. Concurrent writers to one path are safe: each
@@ -67,9 +68,14 @@ def atomic_write(path: Path | str, data: bytes, mode: int = 0o644, durable: bool
     try:
         try:
             os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            if isinstance(data, bytes):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            else:
+                with open(fd, "wb", closefd=False) as stream:
+                    for piece in data:
+                        stream.write(piece)
             if durable:
                 os.fsync(fd)
         finally:

@@ -6,6 +6,7 @@ Exit codes: 0 done, 1 could not run, 2 bad input (a flag, an env var, the config
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -44,6 +45,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         _setup_logging(args.log_level)
         earlysignals.started()
+        gc.enable()
         return COMMANDS[args.command](args)
     except (UsageError, ConfigError, Failure) as exc:
         return fail(*outcome(exc))

@@ -113,11 +113,6 @@ def write_spec(directory: Path, filename: str, spec: dict[str, Any]) -> Path:
     return path
 
 
-def write_specs(directory: Path, specs: Mapping[str, dict[str, Any]]) -> dict[str, OSError]:
-    """Write many specs (by file name) into one directory; returns the error of each that failed."""
-    return write_spec_files(directory, {filename: _encode(spec) for filename, spec in specs.items()})
-
-
 def write_spec_files(directory: Path, files: Mapping[str, bytes]) -> dict[str, OSError]:
     """Write many encoded specs (by file name) into one directory, as write_spec does; returns the error of each
     that failed. A DRA call can carry a thousand claims, so the directory is made sure of once and paths stay

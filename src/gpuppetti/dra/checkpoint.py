@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -35,7 +36,8 @@ STARTED: Final = "PrepareStarted"
 COMPLETED: Final = "PrepareCompleted"
 
 
-@dataclass(frozen=True)
+# Slots: a driver holds a record per prepared claim, and a node may hold a thousand.
+@dataclass(frozen=True, slots=True)
 class PreparedDevice:
     request_names: list[str]
     pool: str
@@ -44,14 +46,17 @@ class PreparedDevice:
     share_id: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ClaimRecord:
     uid: str
     namespace: str
     name: str
     state: State
     devices: list[PreparedDevice] = field(default_factory=list)
-    cdi_spec: dict[str, Any] | None = None
+    # The claim's CDI spec as its file holds it (canonical JSON, cdi.encode_spec, less the newline): the record's
+    # entry in the file and the spec's file are written from these bytes, never from a dict kept beside them. In
+    # the file it is a JSON object.
+    cdi_spec: bytes | None = None
     cdi_file: str | None = None
     # The Vulkan layer's directory of each request held to a slice, with each GPU's memory budget: recorded with
     # the plan, before the directories exist, so that restore and unprepare know exactly which are the claim's.
@@ -71,28 +76,25 @@ def _checksum(claims: dict[str, Any]) -> str:
     return hashlib.sha256(_canonical(claims).encode()).hexdigest()
 
 
-def _as_json(record: ClaimRecord) -> dict[str, Any]:
-    # By hand rather than dataclasses.asdict, which deep-copies every CDI spec on every save.
-    return {
-        "uid": record.uid, "namespace": record.namespace, "name": record.name, "state": record.state,
-        "devices": [vars(device) for device in record.devices],
-        "cdi_spec": record.cdi_spec, "cdi_file": record.cdi_file, "layer_allocations": record.layer_allocations,
-    }
+def _device_json(device: PreparedDevice) -> dict[str, Any]:
+    return {"request_names": device.request_names, "pool": device.pool, "device": device.device,
+            "cdi_device_ids": device.cdi_device_ids, "share_id": device.share_id}
 
 
-def _record_text(record: ClaimRecord, spec_text: str | None) -> str:
-    """The record's canonical JSON, as ``_canonical`` writes it within the claims. ``spec_text`` is its CDI spec's
-    canonical JSON where the caller has it already (the spec file holds the same text): spliced in, not encoded
-    again."""
-    body = _as_json(record)
-    if spec_text is None or record.cdi_spec is None:
-        return _canonical(body)
-    del body["cdi_spec"]
+def _entry(key: str, record: ClaimRecord) -> tuple[bytes, ...]:
+    """The record's entry in the claims object as ``_canonical`` writes it: its quoted uid ``key``, a colon and its
+    canonical JSON, in pieces. The CDI spec's piece is the record's own bytes, shared rather than copied."""
+    # By hand rather than dataclasses.asdict, which deep-copies; the spec is spliced in, not encoded again.
+    body = {"uid": record.uid, "namespace": record.namespace, "name": record.name, "state": record.state,
+            "devices": [_device_json(device) for device in record.devices], "cdi_file": record.cdi_file,
+            "layer_allocations": record.layer_allocations}
+    if record.cdi_spec is None:
+        return (f"{key}:{_canonical({**body, 'cdi_spec': None})}".encode(),)
     text = _canonical(body)
     # Keys sorted, cdi_spec goes between cdi_file and devices; nothing before that point can read ',"devices":',
     # since a quote inside a JSON string is escaped.
     cut = text.index(',"devices":')
-    return f'{text[:cut]},"cdi_spec":{spec_text}{text[cut:]}'
+    return f'{key}:{text[:cut]},"cdi_spec":'.encode(), record.cdi_spec, text[cut:].encode()
 
 
 class CorruptCheckpoint(Exception):
@@ -152,7 +154,9 @@ def _records(claims: dict[str, Any], lenient: bool) -> dict[str, ClaimRecord]:
         devices = [PreparedDevice(**_checked(f"claim {uid}: device {index}", device, _DEVICE_FIELDS,
                                              PreparedDevice, lenient))
                    for index, device in enumerate(fields.pop("devices", []))]
-        records[uid] = ClaimRecord(devices=devices, **fields)
+        spec = fields.pop("cdi_spec", None)
+        records[uid] = ClaimRecord(devices=devices, cdi_spec=None if spec is None else _canonical(spec).encode(),
+                                   **fields)
     return records
 
 
@@ -182,9 +186,9 @@ class Checkpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._claims: Mapping[str, ClaimRecord] = MappingProxyType({})
-        # Each saved record, by uid, with its quoted uid and its entry in the canonical claims object (the quoted
-        # uid and the record's JSON): records are never changed, only replaced, so a save encodes only new ones.
-        self._texts: dict[str, tuple[ClaimRecord, str, str]] = {}
+        # Each saved record, by uid, with its quoted uid and its entry in the canonical claims object (_entry):
+        # records are never changed, only replaced, so a save encodes only new ones.
+        self._entries: dict[str, tuple[ClaimRecord, str, tuple[bytes, ...]]] = {}
 
     @property
     def claims(self) -> Mapping[str, ClaimRecord]:
@@ -195,7 +199,7 @@ class Checkpoint:
         """Read the file. Returns where a corrupt (or newer) file's copy was put, after logging why; None otherwise.
         Raises UnusableCheckpoint when the path cannot hold a checkpoint at all."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self._texts = {}
+        self._entries = {}
         try:
             if self.path.is_dir():
                 raise CorruptCheckpoint("a directory, not a file")
@@ -229,26 +233,34 @@ class Checkpoint:
                     self.path, version, VERSION, len(records), copy)
         return str(copy)
 
-    def save(self, claims: Mapping[str, ClaimRecord], spec_texts: Mapping[str, str] | None = None) -> None:
+    def save(self, claims: Mapping[str, ClaimRecord]) -> None:
         """Write ``claims`` durably, then take them as the current state. Blocks (fsync): call it in a thread.
-        Raises OSError, and keeps the previous state, when the write fails. ``spec_texts`` has, by uid, the
-        canonical JSON (cdi.encode_spec) of records' CDI specs that the caller encoded already."""
-        texts: dict[str, tuple[ClaimRecord, str, str]] = {}
-        previous = self._texts
+        Raises OSError, and keeps the previous state, when the write fails."""
+        entries: dict[str, tuple[ClaimRecord, str, tuple[bytes, ...]]] = {}
+        previous = self._entries
         for uid in sorted(claims):
             record = claims[uid]
             cached = previous.get(uid)
             if cached is not None and cached[0] is record:
-                texts[uid] = cached
+                entries[uid] = cached
                 continue
             key = cached[1] if cached is not None else _ENCODER.encode(uid)
-            text = _record_text(record, spec_texts.get(uid) if spec_texts else None)
-            texts[uid] = (record, key, f"{key}:{text}")
-        # As _canonical writes the claims (keys sorted, compact), from the records' entries.
-        canonical = "{" + ",".join(entry for _, _, entry in texts.values()) + "}"
-        checksum = hashlib.sha256(canonical.encode()).hexdigest()
-        # The claims are serialised once, for the checksum and the file alike.
-        document = f'{{"version":"{VERSION}","checksum":"{checksum}","claims":{canonical}}}\n'
-        atomic_write(self.path, document.encode(), mode=0o600)
+            entries[uid] = (record, key, _entry(key, record))
+
+        def claims_object() -> Iterator[bytes]:
+            # As _canonical writes the claims (keys sorted, compact), from the records' entries, a piece at a time:
+            # a thousand claims are never held again as one document.
+            yield b"{"
+            for number, (_, _, entry) in enumerate(entries.values()):
+                if number:
+                    yield b","
+                yield from entry
+            yield b"}"
+
+        digest = hashlib.sha256()
+        for piece in claims_object():
+            digest.update(piece)
+        header = f'{{"version":"{VERSION}","checksum":"{digest.hexdigest()}","claims":'.encode()
+        atomic_write(self.path, itertools.chain([header], claims_object(), [b"}\n"]), mode=0o600)
         self._claims = MappingProxyType(dict(claims))
-        self._texts = texts
+        self._entries = entries

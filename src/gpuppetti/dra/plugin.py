@@ -20,6 +20,7 @@ from gpuppetti._proto.dra.v1beta1 import api_pb2 as v1beta1
 from gpuppetti._proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as health
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from gpuppetti.base.memory import give_back_free_memory
 from gpuppetti.core.model import Health
 from gpuppetti.dra.checkpoint import PreparedDevice
 from gpuppetti.dra.state import ClaimRef, DraState, PrepareError
@@ -78,6 +79,8 @@ class DraService:
             self._metrics.prepare_requests.labels("error").inc(failed)
         if len(claims) > failed:
             self._metrics.prepare_requests.labels("ok").inc(len(claims) - failed)
+        # A call can name a thousand claims, read and planned at once: what that took is not kept.
+        give_back_free_memory()
         return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
@@ -92,6 +95,7 @@ class DraService:
             if error:
                 log.warning("unprepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, error)
             self._metrics.unprepare_requests.labels("error" if error else "ok").inc()
+        give_back_free_memory()
         return answers
 
 

@@ -15,7 +15,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -43,8 +43,9 @@ class ClaimReader(Protocol):
         """The ResourceClaim; raises NotFound when there is none, ApiError when the API fails."""
         ...
 
-    async def list_claims(self, namespace: str, names: Collection[str]) -> Mapping[str, ResourceClaim]:
-        """The ResourceClaims of ``namespace`` named in ``names``, by name; raises ApiError when the API fails."""
+    def list_claims(self, namespace: str, names: Collection[str]) -> AsyncIterator[ResourceClaim]:
+        """The ResourceClaims of ``namespace`` named in ``names``, as they are read; raises ApiError when the API
+        fails, possibly after some."""
         ...
 
 
@@ -210,10 +211,11 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _write_specs(directory: Path, specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, str]:
-    """Write each claim's spec; returns the error of each that failed, by claim. Runs in a thread."""
+def _write_specs(directory: Path, specs: Mapping[str, tuple[str, bytes]]) -> dict[str, str]:
+    """Write each claim's spec (its file name and its canonical JSON, as its record holds them); returns the error
+    of each that failed, by claim. Runs in a thread."""
     by_file = {filename: uid for uid, (filename, _) in specs.items()}
-    failed = cdi.write_specs(directory, {filename: spec for filename, spec in specs.values()})
+    failed = cdi.write_spec_files(directory, {filename: spec + b"\n" for filename, spec in specs.values()})
     return {by_file[filename]: f"writing the CDI spec into {directory} failed: {exc.strerror or exc}"
             for filename, exc in failed.items()}
 
@@ -269,7 +271,7 @@ class DraState:
 
     def _restore(self) -> int:
         present = self._spec_files()
-        wanted: dict[str, tuple[str, dict[str, Any]]] = {}
+        wanted: dict[str, tuple[str, bytes]] = {}
         for uid, record in self.checkpoint.claims.items():
             if record.state == COMPLETED and record.cdi_spec and record.cdi_file:
                 if record.cdi_file not in present:
@@ -333,22 +335,13 @@ class DraState:
         namespaces: dict[str, set[str]] = {}
         for claim in pending:
             namespaces.setdefault(claim.namespace, set()).add(claim.name)
-        listed = await asyncio.gather(*(self._list(ns, names) for ns, names in namespaces.items()
-                                        if len(names) >= LIST_FROM))
-        claims_of = {ns: dict(found) for ns, found in listed if found is not None}
         plans: dict[str, _Plan | PrepareError] = {}
-        unlisted: list[ClaimRef] = []
         snapshot = self._inventory.snapshot
-        for claim in pending:
-            found = claims_of.get(claim.namespace)
-            # Taken out as it is planned: a thousand claims are not held beside their thousand plans.
-            obj = found.pop(claim.name, None) if found is not None else None
-            if obj is not None and obj.metadata.uid == claim.uid:
-                plans[claim.uid] = self._plan(claim, obj, snapshot)
-            else:
-                # Not listed (too few of its namespace, or created or replaced since the list): asked for by name,
-                # all at once, each planned as soon as it is read.
-                unlisted.append(claim)
+        await asyncio.gather(*(self._list_and_plan(ns, names, pending, snapshot, plans)
+                               for ns, names in namespaces.items() if len(names) >= LIST_FROM))
+        # Not listed (too few of its namespace, created or replaced since the list, or the list failed): asked for
+        # by name, all at once, each planned as soon as it is read.
+        unlisted = [claim for claim in pending if claim.uid not in plans]
         if unlisted:
             read_one_by_one = await asyncio.gather(*(self._read_and_plan(claim) for claim in unlisted))
             plans.update(zip((claim.uid for claim in unlisted), read_one_by_one, strict=True))
@@ -384,7 +377,7 @@ class DraState:
     async def _ensure_specs(self, claims: Sequence[ClaimRef],
                             answers: dict[str, list[PreparedDevice] | PrepareError]) -> None:
         """Completed claims asked again: their specs must be there, or the container gets no GPU."""
-        missing: dict[str, tuple[str, dict[str, Any]]] = {}
+        missing: dict[str, tuple[str, bytes]] = {}
         for claim in claims:
             record = self.checkpoint.claims[claim.uid]
             if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
@@ -404,9 +397,9 @@ class DraState:
         except OSError as exc:
             why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; nothing was prepared"
             return dict.fromkeys(planned, PrepareError(why))
-        # Each spec is encoded once: its file and its checkpoint record hold the same text.
-        texts = {uid: cdi.encode_spec(plan.spec) for uid, (_, plan) in planned.items()}
-        failed = self._write(planned, texts)
+        # Each spec is encoded once: its file and its checkpoint record hold the same bytes.
+        specs = {uid: cdi.encode_spec(plan.spec).encode() for uid, (_, plan) in planned.items()}
+        failed = self._write(planned, specs)
         answers: dict[str, list[PreparedDevice] | PrepareError] = {}
         completed = dict(started)
         for uid, (claim, plan) in planned.items():
@@ -414,11 +407,11 @@ class DraState:
                 del completed[uid]
                 answers[uid] = PrepareError(failed[uid])
             else:
-                completed[uid] = ClaimRecord(uid, claim.namespace, claim.name, COMPLETED, plan.devices, plan.spec,
+                completed[uid] = ClaimRecord(uid, claim.namespace, claim.name, COMPLETED, plan.devices, specs[uid],
                                              plan.filename, plan.allocations)
         written = [uid for uid in planned if uid not in failed]
         try:
-            self.checkpoint.save(completed, texts)
+            self.checkpoint.save(completed)
         except OSError as exc:
             # The file still says PrepareStarted: the kubelet is told these failed, and their specs go again, so
             # that its retry (which saves again) finds the three in agreement.
@@ -435,7 +428,7 @@ class DraState:
                           ", ".join(d.device for d in plan.devices))
         return answers
 
-    def _write(self, planned: Mapping[str, tuple[ClaimRef, _Plan]], texts: Mapping[str, str]) -> dict[str, str]:
+    def _write(self, planned: Mapping[str, tuple[ClaimRef, _Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
         """The claims' layer directories, then their CDI specs (which mount them); the errors by claim."""
         failed: dict[str, str] = {}
         for uid, (_, plan) in planned.items():
@@ -445,18 +438,24 @@ class DraState:
                         self.layer.create(allocation_id, memories)
             except OSError as exc:
                 failed[uid] = f"creating the Vulkan layer's directory in {self.layer} failed: {exc.strerror or exc}"
-        files = {plan.filename: f"{texts[uid]}\n".encode() for uid, (_, plan) in planned.items() if uid not in failed}
+        files = {plan.filename: specs[uid] + b"\n" for uid, (_, plan) in planned.items() if uid not in failed}
         by_file = {plan.filename: uid for uid, (_, plan) in planned.items()}
         for filename, error in cdi.write_spec_files(self.cdi_dir, files).items():
             failed[by_file[filename]] = f"writing the CDI spec into {self.cdi_dir} failed: {error.strerror or error}"
         return failed
 
-    async def _list(self, namespace: str, names: Collection[str]) -> tuple[str, Mapping[str, ResourceClaim] | None]:
+    async def _list_and_plan(self, namespace: str, names: Collection[str], pending: Sequence[ClaimRef],
+                             snapshot: Snapshot, plans: dict[str, _Plan | PrepareError]) -> None:
+        """Plan the pending claims of ``namespace`` as a list of it reads them: a claim's object lives only until it
+        is planned, never a thousand of them beside their thousand plans."""
+        wanted = {claim.name: claim for claim in pending if claim.namespace == namespace}
         try:
-            return namespace, await self._claims.list_claims(namespace, names)
+            async for obj in self._claims.list_claims(namespace, names):
+                claim = wanted.get(obj.metadata.name)
+                if claim is not None and obj.metadata.uid == claim.uid:
+                    plans[claim.uid] = self._plan(claim, obj, snapshot)
         except ApiError as exc:
-            log.warning("%s; reading the claims one by one instead", exc)
-            return namespace, None
+            log.warning("%s; reading the rest of its claims one by one instead", exc)
 
     async def _read_and_plan(self, claim: ClaimRef) -> _Plan | PrepareError:
         try:

@@ -12,14 +12,16 @@ wrote (by resourceVersion), so an API server that normalises quantities cannot s
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.memory import give_back_free_memory
 from gpuppetti.core.kubeobjects import RESOURCE_API, OwnerReference, ResourceSliceBody, SliceMeta
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.kube import ApiError, Kube
@@ -46,11 +48,12 @@ class PoolContent:
 
     @classmethod
     def of(cls, specs: Iterable[dict[str, Any]]) -> PoolContent:
-        # Level 1: nearly all of the saving, at a few milliseconds for 10,000 devices.
-        return cls(tuple(zlib.compress(json.dumps(spec, separators=(",", ":")).encode(), 1) for spec in specs))
+        # Level 1: nearly all of the saving, at a few milliseconds for 10,000 devices. msgspec, the API client's
+        # own JSON, encodes and decodes a pool in a third of the standard library's time.
+        return cls(tuple(zlib.compress(msgspec.json.encode(spec), 1) for spec in specs))
 
     def spec(self, number: int) -> dict[str, Any]:
-        found: dict[str, Any] = json.loads(zlib.decompress(self.specs[number]))
+        found: dict[str, Any] = msgspec.json.decode(zlib.decompress(self.specs[number]))
         return found
 
 
@@ -208,6 +211,8 @@ class SlicePublisher:
             self._metrics.slice_publishes.inc()
             log.info("published pool %s generation %d: %d slice(s), %d written", self.node, self.generation,
                      len(content.specs), changed)
+            # Each slice was dicts, JSON and the API's echo of it while it was written: none of it is kept.
+            give_back_free_memory()
         self.published.set()
 
     async def watch(self) -> None:

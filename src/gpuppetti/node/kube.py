@@ -138,21 +138,17 @@ class Kube:
         return await self._typed(f"reading ResourceClaim {namespace}/{name}",
                                  self._client.get(_Claim, name, namespace=namespace), ResourceClaim)
 
-    async def list_claims(self, namespace: str, names: Collection[str]) -> dict[str, ResourceClaim]:
-        """The ResourceClaims of ``namespace`` that are named in ``names``, by name: a few requests where a kubelet
-        call names many. The namespace is read a page at a time and only the named claims are kept, so that a
-        namespace of many claims is never held whole."""
-        what = f"listing the ResourceClaims of namespace {namespace}"
-
-        async def listed() -> dict[str, ResourceClaim]:
-            found = {}
+    async def list_claims(self, namespace: str, names: Collection[str]) -> AsyncIterator[ResourceClaim]:
+        """The ResourceClaims of ``namespace`` that are named in ``names``, as they are read: a few requests where a
+        kubelet call names many. The namespace is read a page at a time and each named claim is handed on at once,
+        so that neither the namespace nor the call's claims are ever held whole. Raises ApiError, possibly after
+        some claims."""
+        try:
             async for item in self._client.list(_Claim, namespace=namespace, chunk_size=LIST_PAGE):
                 if getattr(item.metadata, "name", None) in names:
-                    claim = ResourceClaim.model_validate(_as_dict(item))
-                    found[claim.metadata.name] = claim
-            return found
-
-        return await self._call(what, listed())
+                    yield ResourceClaim.model_validate(_as_dict(item))
+        except FAILURES as exc:  # a ValidationError is a ValueError: an answer that is not what it says
+            raise _error(exc, f"listing the ResourceClaims of namespace {namespace}", self._timeout) from None
 
     async def node_uid(self, node: str) -> str:
         found = await self._typed(f"reading Node {node}", self._client.get(_Node, node), Node)
