@@ -85,10 +85,9 @@ async def served(main: Coroutine[Any, Any, None]) -> None:
     """Await a long-running command; a failure we expect becomes one clear line, not a traceback."""
     from gpuppetti.base.runtime import StartupError
     from gpuppetti.base.webserver import AddressError
-    from gpuppetti.deviceplugin.lifecycle import SocketDirError
     from gpuppetti.discovery import BackendUnavailable
 
-    expected = (SocketDirError, BackendUnavailable, StartupError, AddressError)
+    expected = (BackendUnavailable, StartupError, AddressError)
     try:
         await main
     except expected as exc:

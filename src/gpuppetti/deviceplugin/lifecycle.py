@@ -33,7 +33,7 @@ from gpuppetti.base.backoff import Backoff
 from gpuppetti.base.fsutil import make_directory
 from gpuppetti.base.instancelock import InstanceLock
 from gpuppetti.base.nodepaths import KUBELET_SOCKET
-from gpuppetti.base.runtime import Runtime
+from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
 from gpuppetti.deviceplugin import cdispec
@@ -53,10 +53,6 @@ REGISTER_TIMEOUT_S = 15.0
 STREAM_WAIT_S = 10.0
 STOP_GRACE_S = 0.2
 OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
-
-
-class SocketDirError(Exception):
-    """The device plugin directory cannot hold our sockets."""
 
 
 def socket_name(resource: str) -> str:
@@ -160,15 +156,15 @@ class DevicePluginManager:
 
     def check_directory(self) -> bool:
         """At start: make sure the directory can hold sockets. Returns whether it had to be created. Raises
-        SocketDirError when it cannot be used at all (a start-up mistake, not a state to wait out)."""
+        StartupError when it cannot be used at all (a start-up mistake, not a state to wait out)."""
         created = not self.directory.exists()
         try:
             make_directory(self.directory)
         except OSError as exc:
-            raise SocketDirError(f"cannot create the device plugin directory {self.directory}: "
+            raise StartupError(f"cannot create the device plugin directory {self.directory}: "
                                  f"{exc.strerror or exc}") from exc
         if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise SocketDirError(
+            raise StartupError(
                 f"cannot create sockets in {self.directory}: {os.strerror(errno.EACCES)} "
                 "(the plugin needs write access to the kubelet's device plugin directory, usually as root)"
             )
@@ -187,7 +183,7 @@ class DevicePluginManager:
         try:
             await self._write_cdi_spec()
         except OSError as exc:
-            raise SocketDirError(f"cannot write the CDI spec into {self.cdi_dir}: {exc.strerror or exc}") from exc
+            raise StartupError(f"cannot write the CDI spec into {self.cdi_dir}: {exc.strerror or exc}") from exc
         watching = asyncio.Event()
         runtime.spawn("device-plugin-socket-watch", self._watch(watching))
         # Serve only once the watch is in place, so that no kubelet restart can slip by unseen.
