@@ -35,8 +35,10 @@ REQUEST_TIMEOUT_S = 10.0
 # A watch is ended by the server after this long, and started again by its caller.
 WATCH_TIMEOUT_S = 300
 FIELD_MANAGER = "gpuppetti"
-# Claims read per request when a namespace is listed (kubectl's page size).
-LIST_PAGE = 500
+# Claims read per request when a namespace is listed. A page is decoded whole before its claims are handed on:
+# at 100, a kubelet call of a thousand claims holds 1 MiB less at its peak than at kubectl's 500, for ten requests
+# instead of two (a call lists only where it names at least LIST_FROM claims of one namespace).
+LIST_PAGE = 100
 
 T = TypeVar("T")
 
