@@ -45,7 +45,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         _setup_logging(args.log_level)
         earlysignals.started()
-        gc.enable()
+        gc.enable()  # held off by main() for the imports
         return COMMANDS[args.command](args)
     except (UsageError, ConfigError, Failure) as exc:
         return fail(*outcome(exc))
