@@ -17,10 +17,13 @@ from collections.abc import Callable
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
         # The process's own symbols, the C library's among them: no search for the library's file.
-        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError, TypeError):
         return None
-    return trim
+    trim.argtypes = [ctypes.c_size_t]  # int malloc_trim(size_t pad)
+    trim.restype = ctypes.c_int
+    found: Callable[[int], int] = trim
+    return found
 
 
 def give_back_free_memory() -> None:
