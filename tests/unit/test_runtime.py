@@ -57,6 +57,25 @@ async def test_a_duty_that_will_not_stop_is_named_and_cancelled_again(
     assert "still stopping after 0s: stubborn-duty; cancelling them again" in caplog.text
 
 
+async def test_a_process_lets_what_a_library_left_running_end_before_it_returns() -> None:
+    # As gRPC's per-call tasks do: one ends a moment after the duty that made it has stopped. Cancelled by the loop's
+    # close instead, gRPC logs it as an error with a traceback.
+    ended: list[str] = []
+    left: set[asyncio.Task[None]] = set()
+
+    async def a_call() -> None:
+        await asyncio.sleep(0.05)
+        ended.append("call")
+
+    async def start(process: Runtime) -> None:
+        left.add(asyncio.get_running_loop().create_task(a_call()))
+        process.request_stop("test")
+
+    async with asyncio.timeout(5):
+        await Runtime().run(start)
+    assert ended == ["call"]
+
+
 async def test_a_runtime_that_is_not_its_process_leaves_its_signals_and_umask_and_releases_at_the_end() -> None:
     """What a test's in-process daemon runs in: stopped through on_signal, what the exit would release released
     once every duty has stopped."""

@@ -26,6 +26,9 @@ UMASK = 0o077
 # How long the duties have to finish once cancelled before the ones still running are named in the log and
 # cancelled again (a duty that swallowed its cancellation, or waits on something that never comes).
 STOP_DEADLINE_S = 10.0
+# How long what the libraries left running once every duty stopped has to end before the loop closes (see
+# _let_the_rest_end).
+REST_S = 1.0
 
 
 class StartupError(Exception):
@@ -105,6 +108,17 @@ class Runtime:
             if self.whole_process:
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(signum)
+                await self._let_the_rest_end(stragglers)
+
+    @staticmethod
+    async def _let_the_rest_end(stragglers: asyncio.Task[None] | None) -> None:
+        """A process's last moment: tasks that libraries left running are given a moment to end by themselves.
+        gRPC's per-call tasks can finish a little after their server has stopped (under load, the call's last event
+        is still on its way); cancelled instead by the loop's close, each is logged as an error with a traceback."""
+        current = asyncio.current_task()
+        rest = {task for task in asyncio.all_tasks() if task is not current and task is not stragglers}
+        if rest:
+            await asyncio.wait(rest, timeout=REST_S)
 
     async def _report_stragglers(self) -> None:
         """Outside the group: at each deadline, name the duties that are still stopping and cancel them again."""
