@@ -332,13 +332,14 @@ class DraState:
                 await self._ensure_specs([c for c in valid if c.uid in done], answers)
         began = time.perf_counter()
         # The network, with no lock held: an Unprepare meanwhile answers at once.
-        namespaces: dict[str, set[str]] = {}
+        # The pending claims of each namespace, by name.
+        namespaces: dict[str, dict[str, ClaimRef]] = {}
         for claim in pending:
-            namespaces.setdefault(claim.namespace, set()).add(claim.name)
+            namespaces.setdefault(claim.namespace, {})[claim.name] = claim
         plans: dict[str, _Plan | PrepareError] = {}
         snapshot = self._inventory.snapshot
-        await asyncio.gather(*(self._list_and_plan(ns, names, pending, snapshot, plans)
-                               for ns, names in namespaces.items() if len(names) >= LIST_FROM))
+        await asyncio.gather(*(self._list_and_plan(ns, wanted, snapshot, plans)
+                               for ns, wanted in namespaces.items() if len(wanted) >= LIST_FROM))
         # Not listed (too few of its namespace, created or replaced since the list, or the list failed): asked for
         # by name, all at once, each planned as soon as it is read.
         unlisted = [claim for claim in pending if claim.uid not in plans]
@@ -444,13 +445,12 @@ class DraState:
             failed[by_file[filename]] = f"writing the CDI spec into {self.cdi_dir} failed: {error.strerror or error}"
         return failed
 
-    async def _list_and_plan(self, namespace: str, names: Collection[str], pending: Sequence[ClaimRef],
-                             snapshot: Snapshot, plans: dict[str, _Plan | PrepareError]) -> None:
-        """Plan the pending claims of ``namespace`` as a list of it reads them: a claim's object lives only until it
-        is planned, never a thousand of them beside their thousand plans."""
-        wanted = {claim.name: claim for claim in pending if claim.namespace == namespace}
+    async def _list_and_plan(self, namespace: str, wanted: Mapping[str, ClaimRef], snapshot: Snapshot,
+                             plans: dict[str, _Plan | PrepareError]) -> None:
+        """Plan the claims ``wanted`` (by name) of ``namespace`` as a list of it reads them: a claim's object lives
+        only until it is planned, never a thousand of them beside their thousand plans."""
         try:
-            async for obj in self._claims.list_claims(namespace, names):
+            async for obj in self._claims.list_claims(namespace, wanted.keys()):
                 claim = wanted.get(obj.metadata.name)
                 if claim is not None and obj.metadata.uid == claim.uid:
                     plans[claim.uid] = self._plan(claim, obj, snapshot)
