@@ -15,6 +15,7 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from gpuppetti.core.config import Config, parse_config
 
@@ -43,10 +44,12 @@ def _command_environment(env: dict[str, str] | None) -> dict[str, str]:
     return environment
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``gpuppetti ARGS`` to completion, with none of the caller's settings for it, plus ``env``."""
-    return subprocess.run([sys.executable, "-m", "gpuppetti", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=_command_environment(env))
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+            stdout: IO[str] | int = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    """``gpuppetti ARGS`` to completion, with none of the caller's settings for it, plus ``env``; its output
+    captured, or written to ``stdout``."""
+    return subprocess.run([sys.executable, "-m", "gpuppetti", *args], stdout=stdout, stderr=subprocess.PIPE,
+                          text=True, timeout=timeout, check=False, env=_command_environment(env))
 
 
 def run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

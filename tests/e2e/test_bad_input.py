@@ -80,7 +80,7 @@ CASES = [
     ("demo-config-without-gpus", ["demo", "--config", "{tmp}/no-gpus.yaml"], {}, 2, "has no simulated GPUs"),
     ("doctor-daemon", ["doctor", "--daemon", "localhost"], {}, 2, "--daemon: 'localhost': expected a URL"),
     ("doctor-mode", ["doctor"], {"GPUPPETTI_MODE": "all"}, 2, "GPUPPETTI_MODE='all'"),
-    ("unknown-command", ["serve"], {}, 2, "invalid choice: 'serve'"),
+    ("unknown-command", ["serve"], {}, 2, "unknown command 'serve'"),
     ("no-command", [], {}, 2, "the following arguments are required: COMMAND"),
     ("unknown-flag", ["plugin", "--replicas", "4"], {}, 2, "unrecognized arguments: --replicas 4"),
 ]

@@ -9,8 +9,11 @@ converter, and an error names the env var instead of the flag.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
-from collections.abc import Callable, Mapping
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -57,8 +60,50 @@ class Parser(argparse.ArgumentParser):
         self.env_options: list[EnvOption] = []
         self.commands: dict[str, Parser] = {}
 
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see '{self.prog} --help')")
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """Parsed as argparse does, but a mistake is said by the parser it belongs to, with what was likely
+        meant: an unknown flag of a command names that command's help, not the top level's."""
+        argv = list(args) if args is not None else sys.argv[1:]
+        if self.commands:
+            self._check_leading_flags(argv)
+        parsed, extras = self.parse_known_args(argv, namespace)
+        if extras:
+            owner = self.commands.get(getattr(parsed, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}", hint=owner._closest_flag(extras))
+        return parsed
+
+    def _check_leading_flags(self, argv: Sequence[str]) -> None:
+        # argparse would say only that a command is required (`gpuppetti --verison`).
+        for word in argv:
+            if not word.startswith("-") or word == "--":
+                return
+            flag = word.split("=", 1)[0]
+            if flag not in self._option_string_actions:
+                self.error(f"unknown option {flag}", hint=self._closest_flag([flag]))
+
+    def _closest_flag(self, words: Sequence[str]) -> str | None:
+        flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        for word in words:
+            if word.startswith("--"):
+                match = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                if match:
+                    return match[0]
+        return None
+
+    def error(self, message: str, hint: str | None = None) -> NoReturn:
+        choice = _INVALID_CHOICE.match(message)
+        if choice and hint is None:
+            wanted, options = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
+            match = difflib.get_close_matches(wanted, options, n=1, cutoff=0.6)
+            hint = match[0] if match else None
+            if choice.group(0).startswith("argument COMMAND"):
+                message = f"unknown command {wanted!r}"
+        did_you_mean = f"; did you mean {hint}?" if hint else ""
+        raise UsageError(f"{message}{did_you_mean} (see '{self.prog} --help')")
+
+
+# argparse's words for a value that is not one of a fixed list.
+_INVALID_CHOICE = re.compile(r"argument [^:]+: invalid choice: '([^']*)' \(choose from (.*)\)$")
 
 
 def option(
