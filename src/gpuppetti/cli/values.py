@@ -141,6 +141,14 @@ def kubeconfig(text: str) -> Path:
         raise Bad("must not be empty")
     if not any(candidate.is_file() for candidate in paths):
         raise Bad("no such file" if len(paths) == 1 else "none of these files exists")
+    # Read whole now: a truncated file or one with no current context is the user's to fix, said before anything
+    # starts (exit 2), not a traceback from the first client made.
+    from gpuppetti.node.kube import ConfigError, read_kubeconfig
+
+    try:
+        read_kubeconfig(Path(text))
+    except ConfigError as exc:
+        raise Bad(exc.problem if len(paths) == 1 else str(exc)) from None
     return Path(text)
 
 

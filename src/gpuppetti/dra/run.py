@@ -112,8 +112,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     try:
         config = load_config(options.kubeconfig)
     except ConfigError as exc:
-        where = options.kubeconfig or "the in-cluster service account"
-        raise StartupError(f"cannot configure the Kubernetes API client from {where}: {exc}") from None
+        raise StartupError(f"cannot configure the Kubernetes API client: {exc}") from None
     kube = Kube(config, options.api_timeout)
 
     checkpoint = Checkpoint(plugin_dir / CHECKPOINT_FILE)

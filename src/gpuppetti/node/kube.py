@@ -65,7 +65,15 @@ class NotFound(ApiError):
 
 
 class ConfigError(Exception):
-    """No API server can be configured from what was given; the message says why."""
+    """No API server can be configured from what was given; the message says why, after the file it is about."""
+
+    def __init__(self, message: str, problem: str | None = None) -> None:
+        super().__init__(message)
+        self.problem = problem or message
+
+
+def _bad(path: Path, problem: str) -> ConfigError:
+    return ConfigError(f"{path}: {problem}", problem)
 
 
 def _error(exc: BaseException, what: str, timeout: float) -> ApiError:
@@ -92,13 +100,59 @@ FAILURES = (lightkube_errors.ApiError, httpx2.HTTPError, TimeoutError, OSError, 
 
 
 def load_config(kubeconfig: Path | None) -> KubeConfig:
-    """The API server from ``kubeconfig``, or the in-cluster service account when none is given."""
+    """The API server from ``kubeconfig``, or the in-cluster service account when none is given; checked whole
+    here (lightkube reads the current context only when a client is made, by then inside a task group). Raises
+    ConfigError, whose message is one line naming the file."""
+    if kubeconfig is None:
+        try:
+            return KubeConfig.from_service_account()
+        except (lightkube_errors.ConfigError, OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"the in-cluster service account: {_one_line(exc)}") from None
+    return read_kubeconfig(kubeconfig)
+
+
+def read_kubeconfig(path: Path) -> KubeConfig:
+    """The kubeconfig at ``path`` (the first existing one of a ``:``-separated list, as kubectl merges them only
+    for contexts we do not use), with a current context that names a cluster. Raises ConfigError."""
+    import yaml
+
+    candidates = [Path(part).expanduser() for part in str(path).split(":") if part]
+    chosen = next((candidate for candidate in candidates if candidate.is_file()), candidates[0] if candidates
+                  else path)
     try:
-        if kubeconfig is not None:
-            return KubeConfig.from_file(kubeconfig)
-        return KubeConfig.from_service_account()
-    except (lightkube_errors.ConfigError, OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(str(exc) or type(exc).__name__) from None
+        if chosen.stat().st_size > KUBECONFIG_LIMIT:
+            raise _bad(chosen, f"larger than {KUBECONFIG_LIMIT >> 20} MiB: not a kubeconfig")
+        with chosen.open("rb") as file:
+            document = yaml.safe_load(file.read(KUBECONFIG_LIMIT))
+        if not isinstance(document, dict):
+            raise _bad(chosen, "not a kubeconfig (a YAML mapping with clusters, contexts and users)")
+        if not document.get("current-context"):
+            raise _bad(chosen, "no current context: choose one with kubectl config use-context NAME")
+        config = KubeConfig.from_dict(document, fname=chosen)
+        config.get()  # the current context, its cluster and user: what a client would ask for first
+        return config
+    except ConfigError:
+        raise
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "not YAML"
+        raise _bad(chosen, f"not valid YAML{where}: {problem}") from None
+    except OSError as exc:
+        raise _bad(chosen, f"cannot be read: {exc.strerror or exc}") from None
+    except (lightkube_errors.ConfigError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _bad(chosen, _one_line(exc)) from None
+
+
+# A kubeconfig is a few KiB; one with embedded certificates tens. Past this it is not one.
+KUBECONFIG_LIMIT = 4 << 20
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"not a kubeconfig: no {exc.args[0]!r}" if exc.args else "not a kubeconfig"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _fields(node: str, driver: str) -> dict[str, str | BinaryOperator | SequenceOperator]:
