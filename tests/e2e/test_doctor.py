@@ -142,6 +142,7 @@ async def test_a_stale_kubelet_socket_and_a_daemon_that_is_not_ready(
     assert "refuses connections" in checks["kubelet device plugins"]["detail"]
     assert checks["daemon"]["status"] == "fail"
     assert "not ready: not registered with the kubelet" in checks["daemon"]["detail"]
+    assert "not ready: not ready" not in checks["daemon"]["detail"], "the daemon's own words are said once"
 
 
 # -- which Vulkan driver serves each GPU, and how much a VM can map ---------------------------------------------

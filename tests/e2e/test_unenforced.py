@@ -16,7 +16,7 @@ import pytest
 import gpuppetti
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
-from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess, run_cli
+from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess, run_cli, run_here
 
 pytestmark = pytest.mark.e2e
 
@@ -101,3 +101,11 @@ def test_the_demo_says_in_one_line_whether_slices_are_enforced(without_layer: di
     [line] = [line for line in result.stdout.splitlines() if "slices are" in line and "enforced" in line]
     assert line.startswith("slices are NOT enforced: this installation has no built Vulkan layer")
     assert len(line) <= 80
+
+
+def test_the_plain_demo_runs_no_container_and_says_so() -> None:
+    result = run_here("demo", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("slices are")]
+    assert "each container is held" not in line, "no container runs without --runtime"
+    assert line == "slices are enforced by the Vulkan layer, in containers (--runtime podman)"

@@ -204,7 +204,10 @@ async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulat
                                          f"built-in kubelet\n  sockets in {workdir}\n  config: "
                                          f"{snapshot.config.source}\n"))
     print_gpus(console, gpu_records(snapshot))
-    console.print(Text(enforcement.summary() + "\n", style="green" if enforcement.enforced else "yellow"))
+    # Without the sandbox no container runs: say what a container would be held to, not that one is.
+    summary = enforcement.summary() if sandbox is not None or not enforcement.enforced else (
+        "slices are enforced by the Vulkan layer, in containers (--runtime podman)")
+    console.print(Text(summary + "\n", style="green" if enforcement.enforced else "yellow"))
 
     outcomes: list[tuple[Pod, list[ContainerAllocation] | str]] = []
     for resource, plan in snapshot.plan.items():

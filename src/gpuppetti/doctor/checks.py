@@ -252,6 +252,8 @@ async def daemon_check(url: str | None) -> Result:
     if reply.status == 200:
         return ok(check, f"{target}: {text}")
     if reply.status == 503:
+        # The daemon's answer already says it is not ready, and what it waits for.
+        text = text.removeprefix("not ready: ")
         return fail(check, f"{target}: not ready: {text}", "its log says what it waits for")
     return fail(check, f"{target} answered {reply.status}: not a gpuppetti daemon?",
                 "give the address of a plugin or driver's --http-address")
