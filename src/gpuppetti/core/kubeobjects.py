@@ -93,10 +93,6 @@ class ResourceClaim(_Object):
     status: ClaimStatus = Field(default_factory=ClaimStatus)
 
 
-class ResourceClaimList(_Object):
-    items: list[ResourceClaim] = Field(default_factory=list)
-
-
 # -- ResourceSlice (written, and read back for its name, version and generation) ------------------------------
 # What the driver writes is built as typed dicts: a pool of 10,000 devices is 100,000 small objects, and model
 # instances of each would cost the publisher more than the API calls do.
