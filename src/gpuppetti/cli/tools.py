@@ -175,6 +175,8 @@ def top(args: argparse.Namespace) -> int:
         return EXIT_OK
     try:
         asyncio.run(watch(out, url, args.interval))
+    except TopError as exc:
+        raise Failure(str(exc)) from None
     except KeyboardInterrupt:
         return EXIT_OK  # Ctrl-C is how a live view ends
     return EXIT_OK
