@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 
 import pytest
 
 from gpuppetti.base.httpclient import FetchError, Unreachable, get
 from tests.e2e.piecemeal import PiecemealServer
+from tests.helpers import run_here
 
 pytestmark = pytest.mark.e2e
 
@@ -45,3 +48,16 @@ async def test_nothing_listening_is_said_with_the_address_tried() -> None:
     assert caught.value.address == f"127.0.0.1:{port}"
     assert str(caught.value) == (f"http://127.0.0.1:{port}/v1/gpus did not answer: cannot connect to "
                                  f"127.0.0.1:{port}: nothing listens there")
+
+
+async def test_discover_from_takes_a_gpu_list_that_arrives_in_pieces() -> None:
+    gpus: list[dict[str, object]] = [
+        {"id": f"gpu-{n}", "vendor": "nvidia", "model": "NVIDIA A100-SXM4-80GB", "health": "Healthy",
+         "resource": "nvidia.com/gpu", "replicas": 1, "memory_bytes": 80 * 2**30, "device_nodes": [], "cores": None,
+         "numa_node": 0, "backend": "nvml", "facts": None}
+        for n in range(64)]
+    async with PiecemealServer({"/v1/gpus": json.dumps(gpus).encode()}, piece=512, pause=0.005) as server:
+        shown = await asyncio.to_thread(run_here, "discover", "--from", server.url, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout) == gpus
+    assert server.pieces_sent > 10

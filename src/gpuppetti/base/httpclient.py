@@ -23,7 +23,7 @@ class FetchError(Exception):
 
 
 class Unreachable(FetchError):
-    """Nothing could be connected to at ``address`` (HOST:PORT)."""
+    """Nothing listens at ``address`` (HOST:PORT): the connection was refused."""
 
     def __init__(self, message: str, address: str) -> None:
         super().__init__(message)
@@ -62,8 +62,10 @@ async def get(url: str, headers: Mapping[str, str] | None = None, timeout: float
     except aiohttp.ClientConnectorError as exc:
         # aiohttp's own words name its TLS context (ssl:default) even for plain HTTP: say what was tried instead.
         address = f"[{exc.host}]:{exc.port}" if ":" in exc.host else f"{exc.host}:{exc.port}"
-        why = "nothing listens there" if isinstance(exc.os_error, ConnectionRefusedError) else \
-            exc.os_error.strerror or str(exc.os_error)
-        raise Unreachable(f"{url} did not answer: cannot connect to {address}: {why}", address) from None
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            raise Unreachable(f"{url} did not answer: cannot connect to {address}: nothing listens there",
+                              address) from None
+        why = exc.os_error.strerror or str(exc.os_error)
+        raise FetchError(f"{url} did not answer: cannot connect to {address}: {why}") from None
     except aiohttp.ClientError as exc:
         raise FetchError(f"{url} did not answer: {exc}") from None
