@@ -13,11 +13,14 @@ from typing import Self
 
 class PiecemealServer:
     """Answers GET ``path`` with ``bodies[path]``, ``piece`` bytes at a time, ``pause`` seconds apart; 404 for any
-    other path. With ``content_length`` False the body ends where the connection closes."""
+    other path. With ``content_length`` False the body ends where the connection closes; ``head``, when given, is
+    sent instead of the status line and headers (a server that does not speak HTTP)."""
 
     def __init__(self, bodies: Mapping[str, bytes], piece: int = 1024, pause: float = 0.02,
-                 content_length: bool = True, content_type: str = "application/json") -> None:
+                 content_length: bool = True, content_type: str = "application/json",
+                 head: bytes | None = None) -> None:
         self.bodies = bodies
+        self.head = head
         self.piece = piece
         self.pause = pause
         self.content_length = content_length
@@ -47,7 +50,7 @@ class PiecemealServer:
             head = f"HTTP/1.1 {status}\r\nContent-Type: {self.content_type}\r\nConnection: close\r\n"
             if self.content_length:
                 head += f"Content-Length: {len(body)}\r\n"
-            writer.write(f"{head}\r\n".encode())
+            writer.write(self.head if self.head is not None else f"{head}\r\n".encode())
             await writer.drain()
             for start in range(0, len(body), self.piece):
                 await asyncio.sleep(self.pause)

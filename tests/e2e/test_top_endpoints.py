@@ -138,6 +138,16 @@ async def test_an_answer_that_is_not_json_is_one_line() -> None:
                                                    "something that is not JSON\n")
 
 
+async def test_a_server_that_does_not_speak_http_is_one_line_without_its_escapes() -> None:
+    # aiohttp's message about a bad status line quotes what it got: escaped, on one line, as it must stay.
+    head = f"{HOSTILE}HTTP/1.1 200 OK\r\n\r\n".encode()
+    async with PiecemealServer(answers([gpu()], []), head=head) as server:
+        shown = await top(server.url, "--once")
+    assert shown.returncode == 1
+    assert len(shown.stderr.splitlines()) == 1 and "Bad status line" in shown.stderr, shown.stderr
+    assert not UNSHOWN & set(shown.stderr.rstrip("\n")), repr(shown.stderr)
+
+
 def _closed_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
