@@ -14,8 +14,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gpuppetti.hostagent import token
+from gpuppetti.hostagent import API_PATH, token
+from gpuppetti.hostagent.client import fetch
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
+from tests.e2e.piecemeal import PiecemealServer
 from tests.fixtures import virtio_vm
 from tests.helpers import FAKES, TWO_M3_MAX, Daemon, DaemonProcess, run_cli
 from tests.standins.apiserver import ApiStandIn
@@ -103,6 +105,17 @@ async def test_an_agent_with_no_gpu_answers_503_and_says_so(tmp_path: Path) -> N
     assert status == 503
     assert body["gpus"] == [] and body["error"]
     assert await agent.stop() == 0
+
+
+async def test_the_agents_answer_is_taken_whole_when_it_arrives_in_pieces() -> None:
+    # As over a real network between the VM and the Mac: the answer in pieces, with pauses.
+    document = {"gpus": [{"vendor": "apple", "model": "Apple M3 Max", "cores": 40,
+                          "unified_memory_bytes": 64 * 2**30, "utilization_percent": 16}]}
+    async with PiecemealServer({API_PATH: json.dumps(document).encode()}, piece=16, pause=0.01) as agent:
+        facts = await fetch(agent.url, "a-token")
+    assert agent.pieces_sent > 5
+    assert (facts.model, facts.cores, facts.memory_bytes, facts.utilization_percent, facts.source) == (
+        "Apple M3 Max", 40, 64 * 2**30, 16, "host-agent")
 
 
 APPLE_VM = """\

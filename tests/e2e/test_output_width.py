@@ -1,8 +1,9 @@
-"""Output that fits: the demo, ``discover`` and the bench at 80 and 120 columns and piped (80, rich's default for
-a pipe), with every id, device path and env value whole, and no trailing blanks."""
+"""Output that fits: the demo, ``discover``, ``top`` and the bench at 80 and 120 columns and piped (80, rich's
+default for a pipe), with every id, device path and env value whole, and no trailing blanks."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from bench.run import Figure, render
+from tests.e2e.piecemeal import PiecemealServer
 from tests.fixtures import MACHINES
 from tests.helpers import run_here
 
@@ -60,6 +62,32 @@ def test_discover_fits(tmp_path: Path, machine: str, label: str, columns: str | 
         shown = "device nodes" in result.stdout.splitlines()[2]
         for path in record["device_nodes"] if shown else ():
             assert path in result.stdout, path
+
+
+# A GPU whose line is wider than 80 columns: its id, model, memory, health, and how much of it is held.
+TOP_GPU = {"id": "gpu-0000:c1:00.0", "vendor": "nvidia", "model": "NVIDIA GeForce RTX 4090 Laptop GPU",
+           "memory_bytes": 16 * 2**30, "health": "Unhealthy", "resource": "nvidia.com/gpu", "replicas": 12}
+TOP_PHRASES = ["gpu-0000:c1:00.0", "NVIDIA GeForce RTX 4090 Laptop GPU", "16 GiB", "Unhealthy",
+               "3 of 12 slice(s) held, 6 GiB in use"]
+
+
+@pytest.mark.parametrize(("label", "columns", "width"), WIDTHS, ids=[w[0] for w in WIDTHS])
+async def test_top_fits_and_breaks_a_line_between_phrases(label: str, columns: str | None, width: int) -> None:
+    slices = [{"namespace": "research", "pod": f"trainer-{n}", "container": "main", "gpu": TOP_GPU["id"],
+               "unit": f"{TOP_GPU['id']}::{n}", "budget_bytes": 2**30 * 4 // 3, "used_bytes": 2 * 2**30,
+               "compute_wait_seconds": 12.25} for n in range(3)]
+    bodies = {"/v1/gpus": json.dumps([TOP_GPU]).encode(), "/v1/slices": json.dumps(slices).encode()}
+    async with PiecemealServer(bodies) as server:
+        result = await asyncio.to_thread(run_here, "top", "--from", server.url, "--once", env=_env(columns))
+    assert result.returncode == 0, result.stderr
+    assert_fits(result.stdout, width)
+    lines = result.stdout.splitlines()
+    for phrase in TOP_PHRASES:
+        assert any(phrase in line for line in lines), f"{phrase!r} is broken across lines:\n{result.stdout}"
+    if width >= 120:
+        assert any("  ".join(TOP_PHRASES) in line for line in lines), "the GPU's line on one line where it fits"
+    for n in range(3):
+        assert f"research/trainer-{n}/main" in result.stdout
 
 
 FIGURES = [

@@ -293,5 +293,11 @@ def build_parser() -> Parser:
     option(demo, "--image", convert=values.image, metavar="IMAGE",
            shown_default="one built from /bin/busybox; nothing is pulled",
            help="with --runtime podman: a local image with /bin/sh")
+    demo.add_argument("--keep-running", action="store_true",
+                      help="once the pods are admitted, keep the plugin running and serve its HTTP endpoint "
+                      "(/metrics, /v1/gpus, /v1/slices) until Ctrl-C, for `gpuppetti top` to show its slices")
+    option(demo, "--http-address", env="GPUPPETTI_HTTP_ADDRESS", convert=values.http_address,
+           default=DEFAULT_HTTP_ADDRESS, metavar="HOST:PORT",
+           help="with --keep-running: where to serve, as the daemons do (gpuppetti top's default --from)")
     _log_level(demo, "warning")
     return parser

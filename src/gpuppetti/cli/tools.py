@@ -175,6 +175,8 @@ def top(args: argparse.Namespace) -> int:
         return EXIT_OK
     try:
         asyncio.run(watch(out, url, args.interval))
+    except TopError as exc:
+        raise Failure(str(exc)) from None
     except KeyboardInterrupt:
         return EXIT_OK  # Ctrl-C is how a live view ends
     return EXIT_OK
@@ -186,7 +188,8 @@ def demo(args: argparse.Namespace) -> int:
     from gpuppetti.commands.demo import DemoError, run_demo
 
     try:
-        code = asyncio.run(run_demo(args.config, console(), args.runtime, args.image, args.host_root, args.backend))
+        code = asyncio.run(run_demo(args.config, console(), args.runtime, args.image, args.host_root, args.backend,
+                                    args.http_address if args.keep_running else None))
     except DemoError as exc:
         raise Failure(str(exc), EXIT_CONFIG if exc.bad_input else EXIT_FAILURE) from None
     if code == EXIT_INTERRUPTED:

@@ -5,6 +5,9 @@ With ``--runtime podman`` each admitted pod also runs as a real container. On si
 lavapipe (the sandbox's own); on a node's real GPUs, it is built here from the node's files: a static busybox, the
 Vulkan loader, and the Vulkan drivers of those GPUs (Venus for a virtio-gpu, RADV, ANV, NVIDIA's) with the libraries
 they load, so that each container reaches its GPU through the device node its Allocate answer names.
+
+With ``--keep-running`` it stays up once its pods are admitted, serving the daemons' HTTP endpoint (/metrics,
+/v1/gpus, /v1/slices) until Ctrl-C, so that ``gpuppetti top`` shows the slices its pods hold.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from rich.console import Console, RenderableType
 from rich.text import Text
 
+from gpuppetti.base.nodepaths import DEFAULT_HTTP_ADDRESS
 from gpuppetti.base.processes import run_within
 from gpuppetti.base.quantity import format_bytes
 from gpuppetti.base.runtime import Runtime
@@ -45,8 +49,10 @@ from gpuppetti.kubelet.sandbox import (
     Seen,
     linked_libraries,
 )
+from gpuppetti.node.httpserver import AddressError, HttpServer
 from gpuppetti.node.inventory import Inventory, Snapshot
-from gpuppetti.node.report import gpu_records, print_gpus
+from gpuppetti.node.metrics import Metrics
+from gpuppetti.node.report import gpu_records, print_gpus, slice_records
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, Enforcement, install_layer
 from gpuppetti.sharing.remarks import config_remarks
 
@@ -128,10 +134,11 @@ def demo_gpus(config: Config, backend: str | None = None, host_root: Path = Path
 
 async def run_demo(
     config_path: Path | None, console: Console, runtime: str | None = None, image: str | None = None,
-    host_root: Path = Path("/"), backend: str | None = None,
+    host_root: Path = Path("/"), backend: str | None = None, serve_at: str | None = None,
 ) -> int:
-    """The demo; returns the exit code (130 when interrupted). Raises DemoError, before anything starts, when it
-    cannot run."""
+    """The demo; returns the exit code (130 when interrupted before its pods are admitted). With ``serve_at`` (an
+    --http-address) it keeps running once they are, serving there, until stopped. Raises DemoError, before
+    anything starts, when it cannot run."""
     config = demo_config(config_path, sandbox=runtime is not None)
     gpus = await asyncio.to_thread(demo_gpus, config, backend, host_root)
     for remark in config_remarks(gpus, config):
@@ -157,23 +164,50 @@ async def run_demo(
         except SandboxError as exc:
             raise DemoError(str(exc), bad_input=image is not None) from None
     inventory = Inventory(config, gpus)
+    metrics = Metrics()
+    http = HttpServer(metrics)
+    serving: str | None = None
+    if serve_at is not None:
+        # Before anything starts: an address in use (a daemon runs here) is said at once.
+        try:
+            await http.start(serve_at)
+        except AddressError as exc:
+            raise DemoError(f"--http-address: {exc}: a daemon may serve there already; give the demo another "
+                            "address") from None
+        # What `gpuppetti top` needs to be told to reach it: nothing at the daemons' default address.
+        serving = "gpuppetti top" if http.address == DEFAULT_HTTP_ADDRESS else \
+            f"gpuppetti top --from http://{http.address}"
     workdir = Path(tempfile.mkdtemp(prefix="gpuppetti-demo-"))
     process = Runtime()
+    admitted = asyncio.Event()
 
     async def start(process: Runtime) -> None:
-        kubelet = KubeletEmulator(workdir)
+        if serving is not None:
+            process.spawn("http", http.serve())
+        # The kubelet's PodResources API, as on a node: the plugin learns from it who holds each slice.
+        pod_resources = workdir / "pod-resources" / "kubelet.sock"
+        kubelet = KubeletEmulator(workdir, pod_resources=pod_resources if serving is not None else None)
         await kubelet.start()
         process.spawn("kubelet-emulator", _until_stopped(kubelet))
         # The Vulkan layer, installed in the demo's own directory: what each container gets mounted from.
         enforcer = None
         enforcement = await install_layer(workdir / "vulkan")
+        metrics.slices_enforced.set(int(enforcement.enforced))
         if (layer := enforcement.layer) is not None:
-            enforcer = Enforcer(layer, workdir / "no-pod-resources.sock")
+            enforcer = Enforcer(layer, pod_resources)
             await enforcer.start(set())
-        manager = DevicePluginManager(inventory, workdir, cdi_dir=cdi_dir, cdi_kind=SANDBOX_CDI_KIND,
+            metrics.watch_slices(enforcer)
+            if serving is not None:
+                process.spawn("layer-directories", enforcer.keep_in_use())
+        manager = DevicePluginManager(inventory, workdir, metrics, cdi_dir, cdi_kind=SANDBOX_CDI_KIND,
                                       enforcer=enforcer)
+        metrics.watch(inventory)
+        http.readiness = manager.waiting_for
+        http.records = lambda: gpu_records(inventory.snapshot)
+        http.slices = lambda: slice_records(enforcer)
         await manager.run(process)
-        process.spawn("demo", _script(process, inventory, kubelet, console, workdir, sandbox, enforcement))
+        process.spawn("demo", _script(process, inventory, kubelet, console, workdir, sandbox, enforcement, serving,
+                                      http.address, admitted))
 
     try:
         await process.run(start)
@@ -182,7 +216,8 @@ async def run_demo(
             shutil.rmtree(workdir)
         if cdi_dir is not None:
             cdi.remove_spec(cdi_dir, cdi.spec_filename(SANDBOX_CDI_KIND))
-    return 0 if process.stop_reason == DONE else 130
+    # Kept running, the demo ends by Ctrl-C (or SIGTERM) once it has shown what it does: that is its end.
+    return 0 if process.stop_reason == DONE or (serving is not None and admitted.is_set()) else 130
 
 
 DONE = "the demo is done"
@@ -196,7 +231,8 @@ async def _until_stopped(kubelet: KubeletEmulator) -> None:
 
 
 async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulator, console: Console,
-                  workdir: Path, sandbox: PodmanSandbox | None, enforcement: Enforcement) -> None:
+                  workdir: Path, sandbox: PodmanSandbox | None, enforcement: Enforcement, serving: str | None,
+                  address: str, admitted: asyncio.Event) -> None:
     snapshot = inventory.snapshot
     for resource in snapshot.plan:
         await kubelet.wait_registered(resource)
@@ -231,7 +267,17 @@ async def _script(process: Runtime, inventory: Inventory, kubelet: KubeletEmulat
         f"kubelet restarted (every socket deleted): the plugin noticed through inotify and re-registered in "
         f"{elapsed_ms:,.0f} ms; allocatable again: "
         + ", ".join(f"{r} = {kubelet.allocatable(r)}" for r in snapshot.plan)))
-    process.request_stop(DONE)
+    admitted.set()
+    if serving is None:
+        print_trimmed(console, Text(
+            "\nTo watch these slices live: gpuppetti demo --keep-running, and gpuppetti top in another terminal.",
+            style="dim"))
+        process.request_stop(DONE)
+        return
+    print_trimmed(console, Text.assemble(
+        "\nThe demo keeps running, serving ", (f"http://{address}", "bold"),
+        " (/metrics, /v1/gpus, /v1/slices): ", (serving, "bold"),
+        " in another terminal shows the slices its pods hold. Ctrl-C ends it."))
 
 
 def _writable(directory: Path) -> bool:
