@@ -70,6 +70,29 @@ async def test_a_deep_tree_or_a_stuck_file_never_takes_the_plugin_down(tmp_path:
         await enforcer.check()
         assert set(layer.existing()) == {allocation_id(["gpu-0::0", "gpu-0::2"])}, "tried again, and gone"
 
+async def test_a_restart_clears_what_it_can_and_serves_on(tmp_path: Path) -> None:
+    base = short_tmpdir()
+    socket = base / "pod-resources" / "kubelet.sock"
+    async with KubeletEmulator(base / "dp", pod_resources=socket) as kubelet:
+        kubelet.allocations.append(_held("serving", ["gpu-0::0"]))
+        layer = _layer(tmp_path)
+        deep, stuck = allocation_id(["gpu-9::0"]), allocation_id(["gpu-9::1"])
+        layer.create(deep, [512 * MIB], ["gpu-9::0"])
+        layer.create(stuck, [512 * MIB], ["gpu-9::1"])
+        _deep(layer.allocations / deep / "d", 3000)
+        (layer.allocations / stuck / "stuck").write_text("x")
+        with _unremovable(layer.allocations / stuck / "stuck"):
+            # Units no longer advertised: their directories go at start, as far as they can.
+            enforcer = Enforcer(layer, socket, grace=0)
+            await enforcer.start({"gpu-0::0"})
+            assert set(layer.existing()) == {stuck}
+            await enforcer.allocate(["gpu-0::0"], BUDGETS)
+            await enforcer.check()
+            assert stuck in layer.existing()
+        await enforcer.check()
+        assert set(layer.existing()) == {allocation_id(["gpu-0::0"])}, "tried again at the next check, and gone"
+
+
 async def test_a_restart_learns_the_units_from_its_own_record_not_the_tenants_file(tmp_path: Path) -> None:
     base = short_tmpdir()
     socket = base / "pod-resources" / "kubelet.sock"
