@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -166,3 +167,37 @@ def test_the_units_come_from_the_daemons_record_never_the_tenants_directory(tmp_
 
 def stat_mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
+
+
+def test_any_mix_a_tenant_leaves_goes_and_nothing_outside_is_touched(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "dir" / "precious").write_text("kept")
+    (outside / "file").write_text("kept")
+    rng = random.Random(28)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    directories = [tree]
+    for number in range(600):
+        where = rng.choice(directories[-40:] if rng.random() < 0.7 else directories)
+        kind = rng.choice(["dir", "dir", "file", "link-dir", "link-file", "dangling", "fifo", "loop"])
+        path = where / f"{kind}-{number}"
+        if kind == "dir":
+            path.mkdir()
+            directories.append(path)
+        elif kind == "file":
+            path.write_bytes(b"x" * rng.randrange(100))
+        elif kind == "link-dir":
+            path.symlink_to(outside / "dir")
+        elif kind == "link-file":
+            path.symlink_to(outside / "file")
+        elif kind == "dangling":
+            path.symlink_to(tmp_path / "nowhere")
+        elif kind == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to(path)
+    directories[-1].chmod(0o000)
+    assert remove_tree(tree) is None
+    assert not tree.exists()
+    assert (outside / "dir" / "precious").read_text() == "kept" and (outside / "file").read_text() == "kept"
