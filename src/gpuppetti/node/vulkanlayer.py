@@ -300,7 +300,8 @@ class LayerDir:
     def remove(self, allocation: str) -> bool:
         """Remove the allocation's directory (its tmpfs first) and its record; whether that is done. What cannot
         go yet (a file that cannot be removed, more entries than one call takes) is logged and left for a later
-        call. Never raises. Blocks: run it in a thread."""
+        call. Never raises. Blocks: run it in a thread. A bounded directory is a mount point, which rename(2)
+        refuses (EBUSY): it goes through here, not by moving it elsewhere first."""
         if not _ALLOCATION_ID.match(allocation):
             return True
         directory = os.path.join(self.allocations, allocation)
