@@ -439,7 +439,7 @@ async def connected(settings: Settings, say: Callable[[str], None]
                     ) -> AsyncIterator[tuple[InstallApi, Cluster, str]]:
     """The API, the cluster it serves, and its address. Raises InstallError."""
     config, context, server = load_kubeconfig(settings.kubeconfig, settings.context)
-    say(f"context {context}: API server {server}")
+    say(f"  context {context}: API server {server}")
     api = InstallApi(config)
     try:
         try:
