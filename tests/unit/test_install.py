@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -220,7 +221,7 @@ def test_what_serves_is_read_from_the_node_and_the_slices() -> None:
     node_status = {"status": {"allocatable": {"cpu": "2", "memory": "1Gi", "hugepages-2Mi": "0", "pods": "110",
                                               "apple.com/gpu": "4", "amd.com/gpu": "0"}}}
     assert install.extended_resources(node_status) == {"apple.com/gpu": 4}
-    slices = [{"spec": {"nodeName": "a", "devices": [{"name": "gpu-0"}, {"name": "gpu-1"}]}},
+    slices: list[dict[str, Any]] = [{"spec": {"nodeName": "a", "devices": [{"name": "gpu-0"}, {"name": "gpu-1"}]}},
               {"spec": {"nodeName": "b", "devices": []}}, {"spec": {"nodeName": "c", "devices": [{}]}}]
     assert install.slice_devices(slices, ["a", "b"]) == {"a": 2}
 
@@ -340,3 +341,16 @@ def test_bad_flags_are_one_line(tmp_path: Path) -> None:
     result = run_cli("install", "--mode", "dra", "--replicas", "4", env={"HOME": str(tmp_path)})
     assert result.returncode == 2
     assert "--replicas is for the device plugin" in one_line(result)
+
+
+def test_the_smoke_script_says_why_it_cannot_show_the_slice(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "GPUPPETTI_LIMITS": "cooperative", "OTHER": "x"}
+    script = install.SMOKE_SCRIPT.replace(install.VKINFO, str(tmp_path / "gpuppetti-vkinfo"))
+    out = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["GPUPPETTI_LIMITS=cooperative", "--- gpuppetti-vkinfo",
+                                "gpuppetti-vkinfo is not mounted: this slice is not held by the layer (a whole GPU, "
+                                "or enforcement off: see GPUPPETTI_LIMITS)"]
+    (tmp_path / "gpuppetti-vkinfo").write_text("#!/bin/sh\necho 'heap 0: 512 MiB'\n")
+    (tmp_path / "gpuppetti-vkinfo").chmod(0o755)
+    out = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "heap 0: 512 MiB"

@@ -45,9 +45,11 @@ SMOKE_POD = "gpuppetti-smoke"
 # The probe the layer mounts into every container given a slice; it prints the Vulkan devices as the layer shows
 # them: the slice's memory as the heap, with its budget. It needs the image's Vulkan loader and glibc.
 VKINFO = "/usr/local/bin/gpuppetti-vkinfo"
-SMOKE_SCRIPT = (f"env | grep '^GPUPPETTI_' | sort; echo '--- {VKINFO}'; {VKINFO} 2>&1 || "
-                "echo 'gpuppetti-vkinfo could not show the slice here: this image has no Vulkan loader (or glibc "
-                "older than 2.34); --smoke-image IMAGE picks one that has'")
+SMOKE_SCRIPT = (
+    f"env | grep '^GPUPPETTI_' | sort; echo '--- gpuppetti-vkinfo'; if [ -e {VKINFO} ]; then {VKINFO} 2>&1 || "
+    "echo 'gpuppetti-vkinfo could not run: this image has no Vulkan loader (or glibc older than 2.34); "
+    "--smoke-image IMAGE picks one that has'; else echo 'gpuppetti-vkinfo is not mounted: this slice is not held "
+    "by the layer (a whole GPU, or enforcement off: see GPUPPETTI_LIMITS)'; fi")
 # A busybox for the smoke pod's env; the Mac's VM gets the image with the patched Mesa its Venus needs.
 SMOKE_IMAGE = "busybox:1.36"
 KRUNKIT_SMOKE_IMAGE = "quay.io/slopezpa/fedora-vgpu"
@@ -172,7 +174,7 @@ def image_plan(cluster: Cluster, image: str | None, build: Path | None, engine: 
         if image is None:
             raise InstallError("no image to run: give --image REF (one the nodes can pull), or --build DIR (a "
                                "gpuppetti checkout) to build one onto the cluster", bad_input=True)
-        return ImagePlan(image, (), f"the nodes pull {image} themselves", loaded=False)
+        return ImagePlan(image, (), "nothing to load: the nodes pull it, or have it already", loaded=False)
     if not (build / "Dockerfile").is_file():
         raise InstallError(f"--build {build}: no Dockerfile there (give a gpuppetti checkout)", bad_input=True)
     target = image or manifests.DEFAULT_IMAGE
@@ -558,7 +560,7 @@ async def install(settings: Settings, say: Callable[[str], None]) -> Outcome:
         outcome.smoke_log = await _smoke(api, settings, resource, smoke_image)
         for line in outcome.smoke_log.rstrip().splitlines():
             say(f"  | {line}")
-        say(next_steps(settings, cluster))
+        say(next_steps(settings, cluster, resource))
     return outcome
 
 
@@ -641,17 +643,17 @@ async def _smoke(api: InstallApi, settings: Settings, resource: str | None, imag
         raise InstallError(str(exc)) from None
 
 
-def next_steps(settings: Settings, cluster: Cluster) -> str:
+def next_steps(settings: Settings, cluster: Cluster, resource: str | None) -> str:
     ns = settings.namespace
     daemonset = f"ds/gpuppetti-{manifests.COMPONENTS[settings.mode]}"
-    asking = ("limits: {<resource above>: 1}" if settings.mode == "plugin" else
+    asking = (f"resources.limits {{{resource}: 1}}" if settings.mode == "plugin" else
               f"a ResourceClaim of DeviceClass {manifests.DRIVER} (see deploy/examples/dra/)")
     lines = [
         "done. Next:",
-        f"  kubectl -n {ns} logs {SMOKE_POD}                  # what the smoke pod printed",
-        f"  give a pod a slice with {asking}; inside it, gpuppetti-vkinfo shows the slice",
-        f"  kubectl -n {ns} exec {daemonset} -- gpuppetti top   # who holds which slice",
-        "  gpuppetti uninstall                                 # removes all of it again",
+        f"  kubectl -n {ns} logs {SMOKE_POD}    # what the smoke pod printed",
+        f"  give a pod a slice with {asking}; in it, gpuppetti-vkinfo shows the slice",
+        f"  kubectl -n {ns} exec {daemonset} -- gpuppetti top    # who holds which slice",
+        "  gpuppetti uninstall    # removes all of it again",
     ]
     if cluster.driver == "krunkit":
         lines.insert(4, "  gpuppetti host-agent on the Mac gives the VM its GPU's model, cores and memory "
@@ -720,11 +722,13 @@ async def _until(busy: Callable[[], Any], timeout: float, what: str) -> None:
 def left_on_disk(settings: Settings, cluster: Cluster) -> list[str]:
     """What stays on each node's disk: nothing in the API, but the layer's directory and the image."""
     layer = str(manifests.Options().vulkan_layer_dir)
-    left = [f"{layer} (the Vulkan layer and its accounting files, from the daemons' hostPath): remove it on each "
-            f"node with `rm -rf {layer}`"]
+    left = [f"{layer}: the Vulkan layer and its accounting files (the daemons' hostPath); on each node: "
+            f"rm -rf {layer}"]
     image = settings.image or manifests.DEFAULT_IMAGE
     removal = {"minikube": f"minikube -p {cluster.name} image rm {image}",
                "kind": f"docker exec NODE crictl rmi {image}, for each of kind cluster {cluster.name}'s nodes",
                "k3s": f"sudo k3s crictl rmi {image}"}.get(cluster.kind, f"crictl rmi {image}, on each node")
     left.append(f"the image {image} in each node's image store: {removal}")
+    left.append("where the device plugin ran, the node's status lists its resources, with none allocatable, until "
+                "the kubelet forgets a stopped plugin (5 minutes)")
     return left
