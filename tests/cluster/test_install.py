@@ -43,7 +43,7 @@ def installing(node: RealNode) -> Iterator[None]:
 def install(node: RealNode, *args: str) -> tuple[int, str, str]:
     result = run_cli("install", "--kubeconfig", str(node.kubeconfig), "--host-network", "--timeout", "120", *args,
                      timeout=600)
-    print(result.stdout, file=sys.stderr)
+    print(result.stdout + result.stderr, file=sys.stderr)
     assert "Traceback" not in result.stderr, result.stderr
     return result.returncode, result.stdout, result.stderr
 

@@ -36,7 +36,7 @@ from lightkube.resources.core_v1 import Pod as _Pod
 
 from gpuppetti.base.processes import run_within
 from gpuppetti.commands import manifests
-from gpuppetti.core.config import ConfigError, parse_config
+from gpuppetti.core.config import ConfigError
 from gpuppetti.node.kube import ApiError, Kube, NotFound
 
 ClusterKind = Literal["minikube", "kind", "k3s", "node"]
@@ -259,8 +259,8 @@ def choose_config(cluster: Cluster, settings: Settings) -> tuple[str | None, str
     if cluster.kind == "kind":
         raise InstallError("kind's nodes have no GPUs: give --config with simulated GPUs (see docs/kind.md)",
                            bad_input=True)
-    return None, "the default config (every GPU the node has" + (
-        f", {settings.replicas} replicas each)" if settings.replicas else ", whole)")
+    return None, "the default: every GPU the nodes have, " + (
+        f"{settings.replicas} replicas each" if settings.replicas else "whole")
 
 
 def render(settings: Settings, config: str | None, image: str, loaded: bool, server: str) -> list[dict[str, Any]]:
@@ -506,6 +506,7 @@ class Outcome:
     what the smoke pod printed."""
 
     served: dict[str, str] = field(default_factory=dict)
+    # From the first object applied: what the image's build or load, which varies most, does not count in.
     seconds_to_first_slice: float = 0.0
     smoke_log: str = ""
 
@@ -514,16 +515,12 @@ async def install(settings: Settings, say: Callable[[str], None]) -> Outcome:
     """Install gpuppetti on the kube context's cluster, wait for its GPUs, and run the smoke pod. Raises
     InstallError."""
     outcome = Outcome()
+    begun = time.monotonic()
     say("1. finding the cluster")
     async with connected(settings, say) as (api, cluster, server):
         say(f"  {cluster.describe()}")
         nodes = _chosen_nodes(cluster, settings.nodes)
         config, config_source = choose_config(cluster, settings)
-        if config is not None:
-            try:
-                parse_config(config, config_source)
-            except ConfigError as exc:
-                raise InstallError(f"config error: {exc}", bad_input=True) from None
         say("2. getting the image onto the nodes")
         with tempfile.TemporaryDirectory(prefix="gpuppetti-install-") as scratch:
             plan = image_plan(cluster, settings.image, settings.build, container_engine(), Path(scratch),
@@ -531,8 +528,8 @@ async def install(settings: Settings, say: Callable[[str], None]) -> Outcome:
             say(f"  {plan.image}: {plan.how}")
             await run_steps(plan.steps, say)
         objects = render(settings, config, plan.image, plan.loaded, server)
-        say(f"3. applying gpuppetti's objects ({settings.mode} mode, config from {config_source}) with server-side "
-            "apply")
+        say(f"3. applying the objects of `gpuppetti manifests --mode {settings.mode}` by server-side apply (config: "
+            f"{config_source})")
         started = time.monotonic()
         for obj in objects:
             try:
@@ -546,14 +543,16 @@ async def install(settings: Settings, say: Callable[[str], None]) -> Outcome:
                 await api.label_node(node, {manifests.MODE_LABEL: settings.mode})
             except ApiError as exc:
                 raise InstallError(str(exc)) from None
-        what = "GPUs allocatable" if settings.mode == "plugin" else "devices published in ResourceSlices"
-        say(f"5. waiting for the {what} (up to {settings.timeout:g}s)")
+        what = ("the GPUs are allocatable" if settings.mode == "plugin" else
+                "the devices are published in ResourceSlices")
+        say(f"5. waiting until {what} (up to {settings.timeout:g}s)")
         outcome.served = await _wait_served(api, settings, nodes)
         outcome.seconds_to_first_slice = time.monotonic() - started
         for node, served in outcome.served.items():
             say(f"  node {node}: {served}")
         say(f"  first slice {'allocatable' if settings.mode == 'plugin' else 'published'} "
-            f"{outcome.seconds_to_first_slice:.1f}s after the first object was applied")
+            f"{outcome.seconds_to_first_slice:.1f}s after the first object was applied "
+            f"({time.monotonic() - begun:.1f}s since the command started)")
         say("6. running the smoke pod, which asks for one slice and prints it as the Vulkan layer shows it")
         resource = next(iter(outcome.served.values())).split("=", 1)[0] if settings.mode == "plugin" else None
         smoke_image = settings.smoke_image or (KRUNKIT_SMOKE_IMAGE if cluster.driver == "krunkit" else SMOKE_IMAGE)
