@@ -219,8 +219,16 @@ def test_the_smoke_pod_asks_for_one_slice() -> None:
 
 def test_what_serves_is_read_from_the_node_and_the_slices() -> None:
     node_status = {"status": {"allocatable": {"cpu": "2", "memory": "1Gi", "hugepages-2Mi": "0", "pods": "110",
-                                              "apple.com/gpu": "4", "amd.com/gpu": "0"}}}
-    assert install.extended_resources(node_status) == {"apple.com/gpu": 4}
+                                              "apple.com/gpu": "4", "amd.com/gpu": "0", "example.com/fpga": "2",
+                                              "example.com/gpu": "8", "nvidia.com/gpu.shared": "2"}}}
+    names = install.served_names(None)
+    assert install.extended_resources(node_status, names) == {"apple.com/gpu": 4, "nvidia.com/gpu.shared": 2}
+    renamed = install.served_names("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+                                   "      - {name: apple.com/gpu, replicas: 2, rename: example.com/gpu}\n")
+    assert install.extended_resources(node_status, renamed)["example.com/gpu"] == 8
+    ready = {"spec": {"nodeName": "a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    starting = {"spec": {"nodeName": "b"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    assert install.ready_nodes([ready, starting, {"spec": {"nodeName": "c"}}]) == {"a"}
     slices: list[dict[str, Any]] = [{"spec": {"nodeName": "a", "devices": [{"name": "gpu-0"}, {"name": "gpu-1"}]}},
               {"spec": {"nodeName": "b", "devices": []}}, {"spec": {"nodeName": "c", "devices": [{}]}}]
     assert install.slice_devices(slices, ["a", "b"]) == {"a": 2}

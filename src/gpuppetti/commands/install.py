@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +36,7 @@ from lightkube.resources.core_v1 import Pod as _Pod
 
 from gpuppetti.base.processes import run_within
 from gpuppetti.commands import manifests
-from gpuppetti.core.config import ConfigError
+from gpuppetti.core.config import ConfigError, parse_config
 from gpuppetti.node.kube import ApiError, Kube, NotFound
 
 ClusterKind = Literal["minikube", "kind", "k3s", "node"]
@@ -60,7 +60,6 @@ TOOL_TIMEOUT_S = 1800.0
 GRACE_S = 20.0
 # Node labels the device plugin sets with --label-node, besides the mode label: all of them under this prefix.
 LABEL_PREFIX = "gpuppetti.dev/"
-STANDARD_RESOURCES = ("cpu", "memory", "pods", "ephemeral-storage")
 
 _Slice = create_global_resource(group="resource.k8s.io", version="v1", kind="ResourceSlice",
                                 plural="resourceslices")
@@ -455,16 +454,33 @@ async def connected(settings: Settings, say: Callable[[str], None]
         await api.close()
 
 
-def extended_resources(node: dict[str, Any]) -> dict[str, int]:
-    """A node's allocatable extended resources with a count: what a device plugin advertises."""
+def served_names(config: str | None) -> frozenset[str]:
+    """The extended resources the device plugin may advertise with ``config``: every vendor's default name, the
+    config's own names and renames, and the names renameByDefault gives."""
+    names = set(manifests.ALL_RESOURCES)
+    if config is not None:
+        for entry in parse_config(config, "the config").sharing.time_slicing.resources:
+            names |= {entry.name, *([entry.rename] if entry.rename else [])}
+    return frozenset(names | {f"{name}.shared" for name in names})
+
+
+def extended_resources(node: dict[str, Any], names: Collection[str]) -> dict[str, int]:
+    """A node's allocatable resources among ``names``, with a count."""
     allocatable = (node.get("status") or {}).get("allocatable") or {}
     found = {}
     for name, value in allocatable.items():
-        if "/" in name and not name.startswith("hugepages-") and name not in STANDARD_RESOURCES:
+        if name in names:
             with contextlib.suppress(ValueError):
                 if int(str(value)) > 0:
                     found[name] = int(str(value))
     return found
+
+
+def ready_nodes(pods: Iterable[dict[str, Any]]) -> set[str]:
+    """The nodes whose daemon pod is Ready: registered with the kubelet (and for DRA, its slices published)."""
+    return {str((pod.get("spec") or {}).get("nodeName")) for pod in pods
+            if any(condition.get("type") == "Ready" and condition.get("status") == "True"
+                   for condition in (pod.get("status") or {}).get("conditions") or [])}
 
 
 def slice_devices(slices: Iterable[dict[str, Any]], nodes: Iterable[str]) -> dict[str, int]:
@@ -546,7 +562,7 @@ async def install(settings: Settings, say: Callable[[str], None]) -> Outcome:
         what = ("the GPUs are allocatable" if settings.mode == "plugin" else
                 "the devices are published in ResourceSlices")
         say(f"5. waiting until {what} (up to {settings.timeout:g}s)")
-        outcome.served = await _wait_served(api, settings, nodes)
+        outcome.served = await _wait_served(api, settings, nodes, served_names(config))
         outcome.seconds_to_first_slice = time.monotonic() - started
         for node, served in outcome.served.items():
             say(f"  node {node}: {served}")
@@ -571,16 +587,20 @@ def _chosen_nodes(cluster: Cluster, given: Sequence[str]) -> list[str]:
     return list(given) or list(cluster.nodes)
 
 
-async def _wait_served(api: InstallApi, settings: Settings, nodes: Sequence[str]) -> dict[str, str]:
+async def _wait_served(api: InstallApi, settings: Settings, nodes: Sequence[str], names: Collection[str]
+                       ) -> dict[str, str]:
     deadline = time.monotonic() + settings.timeout
     component = manifests.COMPONENTS[settings.mode]
     running_since: dict[str, float] = {}
     while True:
         try:
-            served = await _served(api, settings.mode, nodes)
+            pods = await api.pods(settings.namespace, {"app.kubernetes.io/component": component})
+            # Only where gpuppetti's own pod is ready: another plugin's resources on a node are not its.
+            ready = ready_nodes(pods)
+            served = await _served(api, settings.mode, [node for node in nodes if node in ready], names)
             if served:
                 return served
-            for pod in await api.pods(settings.namespace, {"app.kubernetes.io/component": component}):
+            for pod in pods:
                 name = pod["metadata"]["name"]
                 if (pod.get("status") or {}).get("phase") == "Running":
                     running_since.setdefault(name, time.monotonic())
@@ -598,13 +618,14 @@ async def _wait_served(api: InstallApi, settings: Settings, nodes: Sequence[str]
         await asyncio.sleep(0.5)
 
 
-async def _served(api: InstallApi, mode: manifests.Mode, nodes: Sequence[str]) -> dict[str, str]:
+async def _served(api: InstallApi, mode: manifests.Mode, nodes: Sequence[str], names: Collection[str]
+                  ) -> dict[str, str]:
     if mode == "dra":
         return {node: f"{count} device{'s' if count != 1 else ''} of {manifests.DRIVER}"
                 for node, count in slice_devices(await api.slices(), nodes).items()}
     served = {}
     for node in nodes:
-        resources = extended_resources(await api.node(node))
+        resources = extended_resources(await api.node(node), names)
         if resources:
             served[node] = ", ".join(f"{name}={count}" for name, count in sorted(resources.items()))
     return served
