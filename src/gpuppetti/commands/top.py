@@ -104,7 +104,8 @@ def render(view: View, width: int) -> RenderableType:
         lines.append(Text.assemble(
             (gpu["id"], "bold"), f"  {gpu['model']}  {format_bytes(gpu['memory_bytes'])}  ",
             (gpu["health"], "green" if gpu["health"] == "Healthy" else "red"),
-            f"  {len(slices)} of {gpu['replicas'] or 1} slice(s) held, {format_bytes(used)} in use"))
+            f"  {len(slices)} of {gpu['replicas'] or 1} slice(s) held, {format_bytes(used)} in use",
+            f"  enforced by {gpu.get('enforced_by') or 'none'}"))
     if not view.slices:
         lines.append(Text("no slice is held by a container (or slices are not enforced here)", style="dim"))
         return Group(*lines)
