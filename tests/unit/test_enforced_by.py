@@ -33,6 +33,7 @@ from gpuppetti.node.vulkanlayer import LayerDir
 from gpuppetti.sharing.budgets import Budget
 from gpuppetti.sharing.limits import DMEM_HOOK, limit_edits
 from tests.dra_support import DRIVER, NODE
+from tests.fakes.toolkit import fake_toolkit
 from tests.fixtures import FakeHost
 from tests.helpers import config_from
 
@@ -106,14 +107,6 @@ def _fake_nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str) -> 
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def fake_toolkit(root: Path, commands: str = "create-symlinks, update-ldcache, apply-cuda-memory-limits") -> None:
-    """A stand-in nvidia-cdi-hook: a program whose --help lists its commands, as the toolkit's does."""
-    hook = root / "usr/bin/nvidia-cdi-hook"
-    hook.parent.mkdir(parents=True, exist_ok=True)
-    hook.write_text(f"#!/bin/sh\necho 'COMMANDS: {commands}'\n")
-    hook.chmod(0o755)
 
 
 @pytest.mark.parametrize(("driver", "commands", "held"), [
@@ -279,3 +272,16 @@ def test_doctor_says_what_holds_each_gpu_and_the_fix_for_the_stronger_hold(
     assert (by["enforced by i1"].status, by["enforced by i1"].detail) == (Status.OK, "vulkan-layer+dmem")
     nothing = enforcement_checks([_gpu(Vendor.APPLE, gpu_id="a0")], tmp_path, layer=False)
     assert [(r.status, r.detail) for r in nothing] == [(Status.WARN, "none: its slices are not held to their memory")]
+
+
+def test_top_says_what_holds_each_gpus_slices() -> None:
+    from rich.console import Console
+
+    from gpuppetti.commands.top import View, render
+
+    records = gpu_records(_inventory().snapshot, layer=True)
+    console = Console(width=160, record=True)
+    console.print(render(View("http://node:8080", records, [], 0.0), 160))
+    lines = console.export_text().splitlines()
+    assert any("sim-nvidia-0" in line and "enforced by vulkan-layer+nvml" in line for line in lines)
+    assert any("sim-nvidia-1" in line and line.endswith("enforced by vulkan-layer") for line in lines)
