@@ -53,7 +53,8 @@ def enforcement_checks(gpus: Sequence[Gpu], host_root: Path, layer: bool) -> lis
         missing = _missing_stronger(gpu, host_root, layer, nvidia_why)
         if not layer and missing is None and by == "none":
             results.append(warn(check, "none: its slices are not held to their memory",
-                                "install the Vulkan layer (see the Vulkan layer check)"))
+                                "give the daemon its layer: a built installation and a --vulkan-layer-dir (the layer's "
+                                "check above says which is missing)"))
         elif missing is not None:
             results.append(warn(check, f"{by}; {missing[0]}", missing[1]))
         else:
