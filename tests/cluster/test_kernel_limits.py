@@ -5,6 +5,7 @@ stand-in tree under --host-root, and GPUPPETTI_DMEM_CGROUP_ROOT points the hook 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ def test_a_claim_selecting_dmem_held_devices_gets_its_cgroups_dmem_max(
     # The stand-in card's device nodes are not the host's: none is handed to the container.
     for entry in (host / "dev/dri").iterdir():
         entry.unlink()
+    # The host's python3, which the hook runs with, as the stand-in tree says it.
+    (host / "usr/bin").mkdir(parents=True)
+    (host / "usr/bin/python3").symlink_to(shutil.which("python3") or "/usr/bin/python3")
     (host / "sys/fs/cgroup").mkdir(parents=True)
     (host / "sys/fs/cgroup/dmem.capacity").write_text(f"{REGION} 4294967296\n")
     cgroups = workdir / "cgroup"

@@ -38,6 +38,10 @@ def node() -> Iterator[Path]:
     # A kernel with the dmem controller, whose amdgpu registers the card's VRAM.
     (root / "host/sys/fs/cgroup").mkdir(parents=True)
     (root / "host/sys/fs/cgroup/dmem.capacity").write_text("drm/0000:03:00.0/vram 25753026560\n")
+    python = root / "host/usr/bin/python3"  # what the dmem hook runs with
+    python.parent.mkdir(parents=True)
+    python.write_bytes(b"")
+    python.chmod(0o755)
     icd = root / "host/usr/share/vulkan/icd.d/radeon_icd.x86_64.json"
     icd.parent.mkdir(parents=True)
     icd.write_text(json.dumps({"file_format_version": "1.0.0",

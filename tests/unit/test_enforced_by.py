@@ -128,8 +128,12 @@ def test_nvml_finds_the_drivers_limit_only_with_driver_615_and_the_toolkits_hook
         assert ("older than r615" in why) == driver.startswith("580")
 
 
-def _xe_host(root: Path, capacity: str | None) -> FakeHost:
+def _xe_host(root: Path, capacity: str | None, python: bool = True) -> FakeHost:
     host = FakeHost(root)
+    if python:
+        (root / "usr/bin").mkdir(parents=True, exist_ok=True)
+        (root / "usr/bin/python3").write_text("")
+        (root / "usr/bin/python3").chmod(0o755)
     host.pci_gpu(card=0, render=128, bdf="0000:03:00.0", vendor=0x8086, device=0xE20B, driver="xe")
     if capacity is not None:
         (root / "sys/fs/cgroup").mkdir(parents=True)
@@ -143,6 +147,12 @@ def test_drm_gives_a_gpu_its_dmem_region_and_the_regions_size_as_its_memory(tmp_
     [gpu] = DrmBackend(tmp_path, VirtioSection()).discover()
     assert gpu.limits == (XE_REGION,)
     assert gpu.memory_bytes == 12 * GIB
+
+
+def test_drm_leaves_the_region_out_where_the_host_has_no_python_for_the_hook(tmp_path: Path) -> None:
+    _xe_host(tmp_path, "drm/0000:03:00.0/vram0 12884901888\n", python=False)
+    [gpu] = DrmBackend(tmp_path, VirtioSection()).discover()
+    assert gpu.limits == ()
 
 
 def test_drm_without_the_dmem_controller_finds_no_region(tmp_path: Path) -> None:

@@ -73,6 +73,12 @@ def _pci_address(device: Path, uevent: dict[str, str]) -> str | None:
 
 # The kernel's dmem cgroup controller (Linux 6.13+) lists here each region a driver registers, with its size.
 DMEM_CAPACITY = "sys/fs/cgroup/dmem.capacity"
+# The dmem hook runs with the host's python3 (through /usr/bin/env): without one, its containers could not start.
+HOST_PYTHONS = ("usr/bin/python3", "usr/local/bin/python3")
+
+
+def host_python(host_root: Path) -> bool:
+    return any(os.access(host_root / path, os.X_OK) for path in HOST_PYTHONS)
 
 
 def dmem_regions(host_root: Path) -> dict[str, tuple[str, int]] | None:
@@ -167,6 +173,12 @@ class DrmBackend:
         )
         database = find_database(self.host_root)
         regions = dmem_regions(self.host_root) or {}
+        if regions and not host_python(self.host_root):
+            if "python3" not in self._warned:
+                self._warned.add("python3")
+                log.warning("the kernel's dmem controller has regions, but the host has no python3 to run the "
+                            "hook that sets a container's dmem.max: slices are not held by it")
+            regions = {}
         found: list[Gpu] = []
         per_vendor: dict[Vendor, int] = {}
         for _, entry in cards:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpuppetti.core.model import Gpu, Mechanism, Vendor
-from gpuppetti.discovery.drm import DMEM_CAPACITY, dmem_regions
+from gpuppetti.discovery.drm import DMEM_CAPACITY, dmem_regions, host_python
 from gpuppetti.discovery.nvml import LIMITS_DRIVER, TOOLKIT_COMMAND, TOOLKIT_HOOK, NvmlBackend
 from gpuppetti.doctor.result import Result, ok, warn
 from gpuppetti.sharing.limits import gpu_enforced_by, gpu_mechanisms
@@ -37,6 +37,8 @@ def _missing_stronger(gpu: Gpu, host_root: Path, layer: bool, nvidia_why: str | 
         return f"not by the kernel: no dmem cgroup controller (no /{DMEM_CAPACITY})", DMEM_FIX
     if gpu.pci_address not in regions:
         return f"not by the kernel: its driver ({gpu.driver}) registers no dmem region for it", DMEM_FIX
+    if not host_python(host_root):
+        return "not by the kernel: the host has no python3 to run the dmem hook", "install python3 on the host"
     return "not by the kernel: the dmem hook needs the daemon's layer directory", LAYER_FIX
 
 
