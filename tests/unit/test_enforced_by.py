@@ -295,3 +295,17 @@ def test_top_says_what_holds_each_gpus_slices() -> None:
     lines = console.export_text().splitlines()
     assert any("sim-nvidia-0" in line and "enforced by vulkan-layer+nvml" in line for line in lines)
     assert any("sim-nvidia-1" in line and line.endswith("enforced by vulkan-layer") for line in lines)
+
+
+def test_the_device_plugin_which_cannot_hand_a_hook_never_says_dmem() -> None:
+    gpu = _gpu(Vendor.INTEL, XE_REGION)
+    edits = limit_edits([Budget(gpu, GIB)], "/layer", hooks=False)
+    assert (edits.env["GPUPPETTI_ENFORCED_BY"], edits.hooks) == ("vulkan-layer", [])
+    assert "GPUPPETTI_DMEM_MAX" not in edits.env
+    inventory = Inventory(config_from(SIMULATED), [dataclasses.replace(gpu, id="sim-x")])
+    assert [r["enforced_by"] for r in gpu_records(inventory.snapshot, layer=True, hooks=False)] == ["vulkan-layer"]
+    assert [r["enforced_by"] for r in gpu_records(inventory.snapshot, layer=True)] == ["vulkan-layer+dmem"]
+    metrics = Metrics()
+    metrics.watch(inventory)
+    metrics.enforced(True, hooks=False)
+    assert 'enforced_by="vulkan-layer",gpu="sim-x"' in generate_latest(metrics.registry).decode()

@@ -281,7 +281,7 @@ class DevicePluginService:
         if not budgets:
             return None
         edits = await enforcer.allocate([unit.id for unit in units], budgets) if enforcer is not None else None
-        return with_limits(edits, budgets, enforcer.layer.path if enforcer is not None else None)
+        return with_limits(edits, budgets, enforcer.layer.path if enforcer is not None else None, hooks=False)
 
     async def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext

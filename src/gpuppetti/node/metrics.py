@@ -61,7 +61,7 @@ class _InventoryCollector(Collector):
     """Reads the inventory at scrape time, so that nothing has to remember to update a gauge."""
 
     def __init__(self, inventory: Callable[[], Inventory | None], claims: Callable[[], ClaimCounts | None],
-                 layer: Callable[[], bool]) -> None:
+                 layer: Callable[[], tuple[bool, bool]]) -> None:
         self._inventory = inventory
         self._claims = claims
         self._layer = layer
@@ -84,9 +84,10 @@ class _InventoryCollector(Collector):
                                         "memory: vulkan-layer, nvml, dmem, a combination, or none",
                                         labels=["gpu", "enforced_by"])
         if inventory is not None:
-            layer = self._layer() and inventory.config.sharing.enforce_memory
+            installed, hooks = self._layer()
+            layer = installed and inventory.config.sharing.enforce_memory
             for gpu in inventory.gpus.values():
-                enforced_by.add_metric([gpu.id, gpu_enforced_by(gpu, layer)], 1)
+                enforced_by.add_metric([gpu.id, gpu_enforced_by(gpu, layer, hooks)], 1)
             counts: dict[tuple[str, str, str, str], int] = {}
             for gpu in inventory.gpus.values():
                 key = (gpu.vendor.value, gpu.model, str(gpu.health), gpu.backend)
@@ -124,7 +125,7 @@ class Metrics:
         self._inventory: Inventory | None = None
         self._claims: ClaimCounts | None = None
         self._slices: SliceUses | None = None
-        self._layer = False
+        self._layer = (False, True)
         self.registry.register(_InventoryCollector(lambda: self._inventory, lambda: self._claims,
                                                    lambda: self._layer))
         self.registry.register(_SliceCollector(lambda: self._slices))
@@ -159,9 +160,10 @@ class Metrics:
             "gpuppetti_slices_enforced", "1 where containers are held to their slices (the Vulkan layer is "
             "installed), 0 where they are not: /healthz says why", registry=self.registry)
 
-    def enforced(self, layer: bool) -> None:
-        """Whether the daemon installed the Vulkan layer: said by itself, and in what holds each GPU's slices."""
-        self._layer = layer
+    def enforced(self, layer: bool, hooks: bool = True) -> None:
+        """Whether the daemon installed the Vulkan layer: said by itself, and in what holds each GPU's slices
+        (``hooks``: whether its front end hands containers hooks; the device plugin does not)."""
+        self._layer = (layer, hooks)
         self.slices_enforced.set(int(layer))
 
     def watch(self, inventory: Inventory) -> None:

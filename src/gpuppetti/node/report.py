@@ -34,7 +34,7 @@ def layer_would_hold(config: Config) -> bool:
 
 
 def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
-               slice_memory: int | None = None, layer: bool = False) -> dict[str, Any]:
+               slice_memory: int | None = None, layer: bool = False, hooks: bool = True) -> dict[str, Any]:
     return {
         "id": gpu.id,
         "index": gpu.index,
@@ -59,7 +59,7 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
         # What the Vulkan layer holds a container given one slice to; None for a whole GPU.
         "slice_memory_bytes": slice_memory,
         # What holds a slice of it to its memory: vulkan-layer, nvml, dmem, a combination, or none.
-        "enforced_by": gpu_enforced_by(gpu, layer),
+        "enforced_by": gpu_enforced_by(gpu, layer, hooks),
     }
 
 
@@ -74,14 +74,15 @@ def slice_records(source: SliceUses | None) -> list[dict[str, Any]]:
     return records
 
 
-def gpu_records(snapshot: Snapshot, layer: bool | None = None) -> list[dict[str, Any]]:
-    """``layer``: whether the daemon installed the Vulkan layer (None: as this installation and config would)."""
+def gpu_records(snapshot: Snapshot, layer: bool | None = None, hooks: bool = True) -> list[dict[str, Any]]:
+    """``layer``: whether the daemon installed the Vulkan layer (None: as this installation and config would);
+    ``hooks``: whether its front end hands containers hooks (the device plugin does not)."""
     advertised = _advertised(snapshot)
     holds = layer_would_hold(snapshot.config) if layer is None else layer and snapshot.config.sharing.enforce_memory
     records = []
     for gpu in snapshot.gpus.values():
         resource, replicas, memory = advertised.get(gpu.id, (None, None, None))
-        records.append(gpu_record(gpu, resource, replicas, memory, holds))
+        records.append(gpu_record(gpu, resource, replicas, memory, holds, hooks))
     return records
 
 

@@ -28,20 +28,21 @@ HOOK_TIMEOUT_S = 10
 MIB = 2**20
 
 
-def gpu_mechanisms(gpu: Gpu, layer: bool) -> list[Mechanism]:
+def gpu_mechanisms(gpu: Gpu, layer: bool, hooks: bool = True) -> list[Mechanism]:
     """What can hold a slice of ``gpu`` on this node: the layer where the daemon installed it, NVIDIA's driver
-    where it and the toolkit can, dmem where the kernel has a region for it and the layer's directory (which holds
-    the hook) is there."""
+    where it and the toolkit can, dmem where the kernel has a region for it, the layer's directory (which holds
+    the hook) is there, and the front end can hand a container a hook (``hooks``: the DRA driver's CDI spec can,
+    the device plugin's Allocate answer cannot)."""
     found = [Mechanism.VULKAN_LAYER] if layer else []
     if gpu.limit(Mechanism.NVML) is not None and gpu.vendor is Vendor.NVIDIA:
         found.append(Mechanism.NVML)
-    if layer and gpu.limit(Mechanism.DMEM) is not None:
+    if layer and hooks and gpu.limit(Mechanism.DMEM) is not None:
         found.append(Mechanism.DMEM)
     return found
 
 
-def gpu_enforced_by(gpu: Gpu, layer: bool) -> str:
-    return enforced_by(gpu_mechanisms(gpu, layer))
+def gpu_enforced_by(gpu: Gpu, layer: bool, hooks: bool = True) -> str:
+    return enforced_by(gpu_mechanisms(gpu, layer, hooks))
 
 
 def _nvidia_limit(budgets: Sequence[Budget]) -> int | None:
@@ -57,10 +58,13 @@ def _nvidia_limit(budgets: Sequence[Budget]) -> int | None:
     return sizes.pop()
 
 
-def limit_edits(budgets: Sequence[Budget], layer_dir: str | None, cgroup_root: str | None = None) -> ContainerEdits:
+def limit_edits(budgets: Sequence[Budget], layer_dir: str | None, cgroup_root: str | None = None,
+                hooks: bool = True) -> ContainerEdits:
     """The env and hooks that put a container's slices under the driver's and the kernel's limits, and
     ``GPUPPETTI_ENFORCED_BY``: what holds each slice, in the order of the budgets (a whole GPU: ``none``).
-    ``layer_dir``: the Vulkan layer's directory where the daemon installed it (and the dmem hook with it)."""
+    ``layer_dir``: the Vulkan layer's directory where the daemon installed it (and the dmem hook with it);
+    ``hooks``: whether the front end can hand the container a hook (the device plugin cannot: there NVIDIA's limit
+    relies on the toolkit's own hook, which the NVIDIA runtime adds, and dmem is not used)."""
     edits = ContainerEdits()
     held: list[list[Mechanism]] = [[] for _ in budgets]
     nvidia = _nvidia_limit(budgets)
@@ -81,7 +85,7 @@ def limit_edits(budgets: Sequence[Budget], layer_dir: str | None, cgroup_root: s
         if nvidia is not None and budget.gpu.vendor is Vendor.NVIDIA:
             held[position].append(Mechanism.NVML)
         dmem = budget.gpu.limit(Mechanism.DMEM)
-        if layer_dir is not None and dmem is not None and dmem.region:
+        if layer_dir is not None and hooks and dmem is not None and dmem.region:
             regions.append(f"{dmem.region}={budget.memory}")
             held[position].append(Mechanism.DMEM)
     if regions and layer_dir is not None:
@@ -95,10 +99,11 @@ def limit_edits(budgets: Sequence[Budget], layer_dir: str | None, cgroup_root: s
     return edits
 
 
-def with_limits(edits: ContainerEdits | None, budgets: Sequence[Budget], layer_dir: Path | None) -> ContainerEdits:
+def with_limits(edits: ContainerEdits | None, budgets: Sequence[Budget], layer_dir: Path | None,
+                hooks: bool = True) -> ContainerEdits:
     """``edits`` (the layer's, where it holds the container) with the driver's and the kernel's limits added. A
     daemon started with GPUPPETTI_DMEM_CGROUP_ROOT hands it to the dmem hook."""
     merged = edits if edits is not None else ContainerEdits()
     merged.merge(limit_edits(budgets, str(layer_dir) if layer_dir is not None else None,
-                             os.environ.get(DMEM_ROOT_ENV) or None))
+                             os.environ.get(DMEM_ROOT_ENV) or None, hooks))
     return merged
