@@ -41,6 +41,7 @@ from gpuppetti.base.fsutil import (
 )
 from gpuppetti.core.model import ContainerEdits, Mount
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
+from gpuppetti.sharing.limits import DMEM_HOOK
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,8 @@ class LayerDir:
             for name in (LIBRARY, PROBE):
                 atomic_write(self.path / name, (built / name).read_bytes(), 0o755)
             atomic_write(self.path / MANIFEST, json.dumps(manifest(), indent=2).encode() + b"\n", 0o644)
+            # The dmem hook, which a claim's CDI spec names where the kernel holds slices too.
+            atomic_write(self.path / DMEM_HOOK, (Path(__file__).parent / "dmem_hook.py").read_bytes(), 0o755)
         except OSError as exc:
             raise LayerUnavailable(f"cannot install the Vulkan layer in {self.path}: {exc.strerror or exc}") from exc
 
