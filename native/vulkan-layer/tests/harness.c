@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -1171,6 +1172,37 @@ static void slots_past_256(void)
     CHECK(total >= 0 && total <= 1, "total %lld after it was given back", (long long)total);
 }
 
+/* Where mmap fails (no memory left), each slice still has counts of its own: the harness links accounting.c with
+ * mmap wrapped, so that this scenario can make an anonymous mapping fail. */
+void *__real_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset);
+void *__wrap_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset);
+static bool anonymous_maps_fail;
+
+void *__wrap_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset)
+{
+    if (anonymous_maps_fail && (flags & MAP_ANONYMOUS) != 0) {
+        errno = ENOMEM;
+        return MAP_FAILED;
+    }
+    return __real_mmap(address, length, protection, flags, fd, offset);
+}
+
+static void private_fallbacks(void)
+{
+    anonymous_maps_fail = true;
+    struct acct small, large;
+    acct_open(&small, NULL, 100 * (int64_t)MIB);
+    acct_open(&large, NULL, 200 * (int64_t)MIB);
+    anonymous_maps_fail = false;
+    CHECK(acct_reserve(&small, 100 * (int64_t)MIB, 0, 80 * (int64_t)MIB), "80 MiB of a 100 MiB slice");
+    CHECK(acct_reserve(&large, 200 * (int64_t)MIB, 0, 150 * (int64_t)MIB), "150 MiB of a 200 MiB slice, beside it");
+    CHECK(acct_total(&small) == 80 * (int64_t)MIB && acct_total(&large) == 150 * (int64_t)MIB,
+          "totals %lld and %lld MiB", (long long)(acct_total(&small) / (int64_t)MIB),
+          (long long)(acct_total(&large) / (int64_t)MIB));
+    CHECK(small.file != large.file && small.file != NULL && small.file->budget == 100 * (int64_t)MIB,
+          "the slices share their counts");
+}
+
 /* -- running them ---------------------------------------------------------------------------------------------- */
 
 struct scenario {
@@ -1188,6 +1220,7 @@ static const struct scenario scenarios[] = {
     {"fake-refuses-typos", fake_refuses_typos},
     {"fork-free", fork_free},                 {"free-reuse", free_reuse},
     {"exports-outlive", exports_outlive},     {"slots-past-256", slots_past_256},
+    {"private-fallbacks", private_fallbacks},
 };
 
 static char accounting_dir[] = "/tmp/gpuppetti-harness-XXXXXX";
@@ -1397,6 +1430,7 @@ static bool on_the_fake_driver(const char *self, const char *manifest)
     const struct driver reusing = {manifest, {"FAKE_ICD_HEAPS=device:1G,host:4G", "FAKE_ICD_REUSE=1"}};
     ok &= run(self, "free-reuse", slice, NULL, true, 0, &reusing);
     ok &= run(self, "slots-past-256", slice, NULL, true, 0, &roomy);
+    ok &= run(self, "private-fallbacks", slice, NULL, false, 0, &roomy);
     return ok;
 }
 
