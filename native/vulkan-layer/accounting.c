@@ -2,6 +2,7 @@
 #include "accounting.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +37,13 @@ static int64_t empty_slot(struct acct_file *file, int slot)
     return bytes;
 }
 
+/* A slot whose write lock this description took is its own: held as a read lock from now on, so that a process that
+ * finds no free slot can share it (accounting.h). The conversion is atomic: no one empties it in between. */
+static bool keep_slot(int fd, int slot)
+{
+    return lock_byte(fd, slot, F_RDLCK);
+}
+
 static void claim_slot(struct acct *acct)
 {
     acct->pid = (int)getpid();
@@ -43,13 +51,24 @@ static void claim_slot(struct acct *acct)
         if (lock_byte(acct->fd, slot, F_WRLCK)) {
             /* Free: whoever had it is gone, and what it held comes back now. */
             empty_slot(acct->file, slot);
+            if (keep_slot(acct->fd, slot)) {
+                acct->slot = slot;
+                return;
+            }
+            lock_byte(acct->fd, slot, F_UNLCK);
+        }
+    }
+    /* Every slot is held by a live process: share one, read-locked like its owner's, so that it is emptied only when
+     * every process counting in it is gone. Spread over the slots by pid. */
+    for (int tried = 0; tried < ACCT_SLOTS; tried++) {
+        int slot = (int)(((unsigned)acct->pid + (unsigned)tried) % ACCT_SLOTS);
+        if (keep_slot(acct->fd, slot)) {
             acct->slot = slot;
             return;
         }
     }
-    /* Every slot is taken by a live process: count in the last one, shared with its owner. The total, which is what
-     * the budget is checked against, stays exact. */
-    acct->slot = ACCT_SLOTS - 1;
+    /* Each slot was being emptied at that very moment: count as unowned, never reaped (more, never less). */
+    acct->slot = ACCT_NO_SLOT;
 }
 
 /* The file's first fields, as struct acct_file begins: read without the whole layout on the caller's stack. */
@@ -91,8 +110,24 @@ int acct_reap(struct acct *acct)
     return freed;
 }
 
+static _Atomic unsigned forks;
+static atomic_flag fork_watched;
+
+static void forked(void)
+{
+    atomic_fetch_add(&forks, 1);
+}
+
+unsigned acct_forks(void)
+{
+    return atomic_load_explicit(&forks, memory_order_relaxed);
+}
+
 void acct_open(struct acct *acct, const char *path, int64_t budget)
 {
+    if (!atomic_flag_test_and_set(&fork_watched)) {
+        pthread_atfork(NULL, NULL, forked);
+    }
     memset(acct, 0, sizeof *acct);
     acct->fd = -1;
     if (path != NULL) {
@@ -113,14 +148,15 @@ void acct_open(struct acct *acct, const char *path, int64_t budget)
             close(fd);
         }
     }
-    /* No file to share: this process alone is held to the budget. */
+    /* No file to share: this process alone is held to the budget, in counts of this slice's own. */
     void *map = mmap(NULL, sizeof(struct acct_file), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (map == MAP_FAILED) {
-        static struct acct_file fallback;
-        map = &fallback;
+        map = calloc(1, sizeof(struct acct_file));
     }
     acct->file = map;
-    acct->file->budget = budget;
+    if (acct->file != NULL) {
+        acct->file->budget = budget;
+    }
     acct->slot = 0;
     acct->pid = (int)getpid();
 }
@@ -137,7 +173,9 @@ static void own_slot(struct acct *acct)
     int fresh = written > 0 && written < (int)sizeof path ? open(path, O_RDWR | O_CLOEXEC) : -1;
     if (fresh < 0) {
         acct->pid = (int)getpid();
-        return; /* keep counting in the parent's slot: the total stays exact */
+        /* Keep counting in the parent's slot: this process shares the description that holds its lock, so the
+         * slot is emptied only once both are gone. */
+        return;
     }
     close(acct->fd);
     acct->fd = fresh;
@@ -146,8 +184,8 @@ static void own_slot(struct acct *acct)
 
 bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size)
 {
-    if (heap >= ACCT_HEAPS || size < 0) {
-        return false;
+    if (heap >= ACCT_HEAPS || size < 0 || acct->file == NULL) {
+        return false; /* no memory left to count in: nothing can be held to the budget */
     }
     own_slot(acct);
     struct acct_file *file = acct->file;
@@ -155,8 +193,12 @@ bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size
         int64_t total = atomic_load(&file->total);
         while (total <= budget - size) {
             if (atomic_compare_exchange_weak(&file->total, &total, total + size)) {
-                atomic_fetch_add(&file->slot_bytes[acct->slot], size);
-                atomic_fetch_add(&file->slot_heap[acct->slot][heap], size);
+                if (acct->slot == ACCT_NO_SLOT) {
+                    atomic_fetch_add(&file->unowned, size);
+                } else {
+                    atomic_fetch_add(&file->slot_bytes[acct->slot], size);
+                    atomic_fetch_add(&file->slot_heap[acct->slot][heap], size);
+                }
                 atomic_fetch_add(&file->heap_usage[heap], size);
                 return true;
             }
@@ -170,22 +212,38 @@ bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size
 
 void acct_release(struct acct *acct, uint32_t heap, int64_t size)
 {
-    if (heap >= ACCT_HEAPS) {
+    if (heap >= ACCT_HEAPS || acct->file == NULL) {
         return;
     }
     struct acct_file *file = acct->file;
     atomic_fetch_sub(&file->heap_usage[heap], size);
+    if (acct->slot == ACCT_NO_SLOT) {
+        atomic_fetch_sub(&file->unowned, size);
+    } else {
+        atomic_fetch_sub(&file->slot_heap[acct->slot][heap], size);
+        atomic_fetch_sub(&file->slot_bytes[acct->slot], size);
+    }
+    atomic_fetch_sub(&file->total, size);
+}
+
+void acct_export(struct acct *acct, uint32_t heap, int64_t size)
+{
+    if (heap >= ACCT_HEAPS || acct->file == NULL || acct->slot == ACCT_NO_SLOT) {
+        return; /* unowned already */
+    }
+    struct acct_file *file = acct->file;
+    /* Into unowned first: a reader never sees it in neither. */
+    atomic_fetch_add(&file->unowned, size);
     atomic_fetch_sub(&file->slot_heap[acct->slot][heap], size);
     atomic_fetch_sub(&file->slot_bytes[acct->slot], size);
-    atomic_fetch_sub(&file->total, size);
 }
 
 int64_t acct_total(const struct acct *acct)
 {
-    return atomic_load(&acct->file->total);
+    return acct->file != NULL ? atomic_load(&acct->file->total) : 0;
 }
 
 int64_t acct_heap_usage(const struct acct *acct, uint32_t heap)
 {
-    return heap < ACCT_HEAPS ? atomic_load(&acct->file->heap_usage[heap]) : 0;
+    return heap < ACCT_HEAPS && acct->file != NULL ? atomic_load(&acct->file->heap_usage[heap]) : 0;
 }

@@ -40,6 +40,9 @@ struct acct_file {
     _Atomic int64_t not_before_ns;
     /* How long the slice's submits have waited in all, in ns: what /metrics reports as compute wait. */
     _Atomic int64_t waited_ns;
+    /* Bytes counted in total that no slot holds (exported memory, and a process's that found no slot): never
+     * reaped. Zero in files written before it existed, as it should be. */
+    _Atomic int64_t unowned;
 };
 
 _Static_assert(sizeof(struct acct_file) <= ACCT_FILE_SIZE, "the accounting layout outgrew its file");
@@ -47,14 +50,19 @@ _Static_assert(sizeof(struct acct_file) <= ACCT_FILE_SIZE, "the accounting layou
 _Static_assert(offsetof(struct acct_file, not_before_ns) == 34976, "the daemons know not_before_ns's offset");
 /* src/gpuppetti/node/vulkanlayer.py reads it for /metrics. */
 _Static_assert(offsetof(struct acct_file, waited_ns) == 34984, "the daemons know waited_ns's offset");
+/* src/gpuppetti/node/vulkanlayer.py reads slot_bytes and unowned for /metrics. */
+_Static_assert(offsetof(struct acct_file, slot_bytes) == 160, "the daemons know slot_bytes's offset");
+_Static_assert(offsetof(struct acct_file, unowned) == 34992, "the daemons know unowned's offset");
 
 struct acct {
-    struct acct_file *file; /* the shared mapping; a private one where no file could be used */
+    struct acct_file *file; /* the shared mapping; a private one where no file could be used; NULL: no memory */
     int fd;                 /* -1 for a private mapping */
-    int slot;
+    int slot;               /* ACCT_NO_SLOT: counted as unowned */
     int pid;                /* the process that claimed the slot: a forked child claims its own */
     bool shared;
 };
+
+#define ACCT_NO_SLOT (-1)
 
 /* Open (or, with no usable file, make a private) accounting for one slice. Never fails: a slice whose file cannot be
  * used still enforces its budget within the process. */
@@ -62,6 +70,11 @@ void acct_open(struct acct *acct, const char *path, int64_t budget);
 /* Reserve size bytes of heap; false when the slice's budget would be passed. */
 bool acct_reserve(struct acct *acct, int64_t budget, uint32_t heap, int64_t size);
 void acct_release(struct acct *acct, uint32_t heap, int64_t size);
+/* Size bytes of this process's were exported: they stay counted whoever holds them, and are never reaped. */
+void acct_export(struct acct *acct, uint32_t heap, int64_t size);
+/* How many forks lie between this process and the one that loaded the layer: memory tracked under another count was
+ * allocated by an ancestor, whose it stays. */
+unsigned acct_forks(void);
 /* Give back what every dead process of the slice held (a process SIGKILLed with memory allocated); how many slots
  * held some. */
 int acct_reap(struct acct *acct);

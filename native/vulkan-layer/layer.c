@@ -14,8 +14,11 @@
  * integrated GPU, a CPU (lavapipe) or a virtual GPU (Venus), where every heap is the same memory, all of them.
  * Imported memory (fd, dma-buf, host pointer) is someone else's and does not count.
  *
- * Memory that is exported (vkGetMemoryFdKHR) stays counted after it is freed, until the exporting process exits:
- * whoever imported it keeps it alive.
+ * Memory that is exported (vkGetMemoryFdKHR) stays counted after it is freed, and after the exporting process exits,
+ * for as long as the slice's accounting file lives: whoever holds its fd keeps it alive (accounting.h).
+ *
+ * A forked child inherits its parent's records: memory its parent allocated stays its parent's, and the child freeing
+ * its copy of the handle gives nothing back.
  *
  * The layer never breaks an application: without its environment (slices.h) it passes every call through, except
  * that it answers for VK_EXT_memory_budget where the driver lacks it (the loader advertises the extension from the
@@ -123,8 +126,15 @@ struct allocation {
     struct device *device;
     int64_t size;
     uint32_t heap;
-    bool exported; /* an fd was taken for it: it stays counted after it is freed */
+    unsigned forks; /* acct_forks() when it was allocated: another value, an ancestor's */
+    bool exported;  /* an fd was taken for it: it stays counted after it is freed */
 };
+
+/* Whether what an allocation counts is this process's to give back. */
+static bool ours(const struct allocation *entry)
+{
+    return !entry->exported && entry->forks == acct_forks();
+}
 
 static spin_t bucket_locks[BUCKETS];
 static struct allocation *buckets[BUCKETS];
@@ -147,6 +157,7 @@ static bool track(struct device *device, uint64_t memory, int64_t size, uint32_t
     entry->device = device;
     entry->size = size;
     entry->heap = heap;
+    entry->forks = acct_forks();
     entry->exported = false;
     uint32_t bucket = bucket_of(memory);
     spin_lock(&bucket_locks[bucket]);
@@ -172,12 +183,16 @@ static struct allocation *untrack(struct device *device, uint64_t memory)
     return found;
 }
 
+/* The first export of an allocation of this process's moves it to the slice's unowned count (accounting.h). */
 static void mark_exported(struct device *device, uint64_t memory)
 {
     uint32_t bucket = bucket_of(memory);
     spin_lock(&bucket_locks[bucket]);
     for (struct allocation *entry = buckets[bucket]; entry != NULL; entry = entry->next) {
         if (entry->memory == memory && entry->device == device) {
+            if (ours(entry)) {
+                acct_export(&device->slice->acct, entry->heap, entry->size);
+            }
             entry->exported = true;
             break;
         }
@@ -195,7 +210,7 @@ static void untrack_device(struct device *device)
             struct allocation *entry = *link;
             if (entry->device == device) {
                 *link = entry->next;
-                if (!entry->exported) {
+                if (ours(entry)) {
                     acct_release(&device->slice->acct, entry->heap, entry->size);
                 }
                 free(entry);
@@ -946,14 +961,14 @@ static VKAPI_ATTR void VKAPI_CALL layer_FreeMemory(VkDevice handle, VkDeviceMemo
     if (device == NULL) {
         return;
     }
+    /* Forgotten before the driver frees it: once freed, the handle can come back from a concurrent allocation, whose
+     * record must stay. */
+    struct allocation *entry = device->slice != NULL && memory != VK_NULL_HANDLE
+                                   ? untrack(device, (uint64_t)(uintptr_t)memory) : NULL;
     device->FreeMemory(handle, memory, allocator);
-    if (device->slice == NULL || memory == VK_NULL_HANDLE) {
-        return;
-    }
-    struct allocation *entry = untrack(device, (uint64_t)(uintptr_t)memory);
     if (entry != NULL) {
-        /* Exported memory lives on in whoever imported it: counted until this process exits (accounting.h). */
-        if (!entry->exported) {
+        /* Exported memory lives on in whoever imported it (accounting.h); an ancestor's stays the ancestor's. */
+        if (ours(entry)) {
             acct_release(&device->slice->acct, entry->heap, entry->size);
         }
         free(entry);

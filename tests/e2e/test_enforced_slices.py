@@ -4,9 +4,12 @@ container then obtains."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 import signal
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,14 @@ from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.kubelet.sandbox import PodmanSandbox
-from gpuppetti.node.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, LayerDir
+from gpuppetti.node.vulkanlayer import (
+    ACCT_LOCK_BASE,
+    ACCT_NOT_BEFORE_OFFSET,
+    ACCT_SLOT_BYTES_OFFSET,
+    BUILT,
+    LIBRARY,
+    LayerDir,
+)
 from gpuppetti.sharing.budgets import Budget
 from tests.dra_support import DRIVER, Cluster
 from tests.e2e.test_vulkan_layer import SIMULATED, vkinfo, why_not_here
@@ -195,11 +205,16 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
     # the slice may not submit (from a clock that a reboot would have started again).
     data = bytearray(acct.read_bytes())
     data[24:32] = (123).to_bytes(8, "little")
+    data[ACCT_SLOT_BYTES_OFFSET:ACCT_SLOT_BYTES_OFFSET + 8] = (123).to_bytes(8, "little")
     data[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] = (10**18).to_bytes(8, "little")
     acct.write_bytes(bytes(data))
-    # /metrics says what the claim's containers hold of its slice (what the accounting file says).
-    async with aiohttp.ClientSession() as session, session.get(f"{await driver.http_url()}/metrics") as response:
-        metrics = await response.text()
+    # /metrics says what the claim's live containers hold of its slice: slot 0's, while this process holds its lock
+    # as a process of the layer does.
+    with acct.open("r+b") as live:
+        fcntl.fcntl(live.fileno(), fcntl.F_OFD_SETLK,
+                    struct.pack("@hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, ACCT_LOCK_BASE, 1, 0))
+        async with aiohttp.ClientSession() as session, session.get(f"{await driver.http_url()}/metrics") as response:
+            metrics = await response.text()
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("gpuppetti_slice_")}
     # Who holds it: the claim's namespace and the pod it is reserved for (a claim's containers are not named).

@@ -19,7 +19,15 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits, Gpu, Vendor
 from gpuppetti.kubelet.sandbox import VULKAN_IMAGE, PodmanSandbox, podman_flags, vulkan_icd
-from gpuppetti.node.vulkanlayer import ACCT_NOT_BEFORE_OFFSET, BUILT, LIBRARY, PROBE, LayerDir, manifest
+from gpuppetti.node.vulkanlayer import (
+    ACCT_NOT_BEFORE_OFFSET,
+    BUILT,
+    CONTAINER_ACCOUNTING,
+    LIBRARY,
+    PROBE,
+    LayerDir,
+    manifest,
+)
 from gpuppetti.sharing.budgets import Budget
 
 pytestmark = pytest.mark.e2e
@@ -121,6 +129,35 @@ async def test_a_killed_process_gives_its_memory_back(sandbox: PodmanSandbox, la
               "wait $holder; gpuppetti-vkinfo --json --allocate 64")
     [after] = await vkinfo(sandbox, allocation(layer, [SLICE]), script)
     assert after["allocation"]["obtained"] == SLICE
+
+
+async def test_a_killed_processs_memory_leaves_the_figures_while_its_container_runs(sandbox: PodmanSandbox,
+                                                                                    layer: LayerDir) -> None:
+    """The daemons read the figures from their own PID namespace: a process of the container killed with 96 MiB held
+    is gone from them at once, though no process of the slice starts after it."""
+    name = f"t-{secrets.token_hex(4)}"
+    directory = layer.create(name, [SLICE])
+    edits = layer.edits(name, [Budget(SIMULATED, SLICE)])
+    signals = CONTAINER_ACCOUNTING
+    script = (f"gpuppetti-vkinfo --allocate 32 --limit 96 --hold 600 > /dev/null & holder=$!; "
+              f"until [ -e {signals}/go ]; do sleep 0.1; done; kill -9 $holder; wait $holder; "
+              f"touch {signals}/killed; until [ -e {signals}/done ]; do sleep 0.1; done")
+    container = asyncio.create_task(sandbox.shell(f"gpuppetti-test-{secrets.token_hex(4)}", podman_flags(edits),
+                                                  script))
+    try:
+        deadline = time.monotonic() + 60
+        while layer.usage(name)[0].used < 96 * MIB and time.monotonic() < deadline and not container.done():
+            await asyncio.sleep(0.1)
+        assert layer.usage(name)[0].used == 96 * MIB
+        (directory / "go").touch()
+        while not (directory / "killed").exists() and time.monotonic() < deadline and not container.done():
+            await asyncio.sleep(0.1)
+        assert (directory / "killed").exists()
+        assert layer.usage(name)[0].used == 0
+    finally:
+        (directory / "done").touch()
+        code, _, err = await container
+    assert code == 0, err
 
 
 async def test_two_containers_of_one_claim_share_its_budget(sandbox: PodmanSandbox, layer: LayerDir) -> None:

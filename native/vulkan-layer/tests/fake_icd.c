@@ -62,6 +62,7 @@ struct config {
     bool pci;
     VkPhysicalDevicePCIBusInfoPropertiesEXT addresses[FAKE_ICD_MAX_GPUS];
     uint32_t vendor, device;
+    bool reuse; /* a freed handle is the next one handed out, as drivers do */
 };
 
 static struct config config;
@@ -199,6 +200,11 @@ static bool parse_config(void)
     if (value != NULL && !parse_number(value, &config.vendor)) {
         return fail("FAKE_ICD_VENDOR", value);
     }
+    value = getenv("FAKE_ICD_REUSE");
+    if (value != NULL && strcmp(value, "1") != 0 && strcmp(value, "0") != 0) {
+        return fail("FAKE_ICD_REUSE", value);
+    }
+    config.reuse = value != NULL && strcmp(value, "1") == 0;
     value = getenv("FAKE_ICD_DEVICE");
     config.device = 0x73bf;
     if (value != NULL && !parse_number(value, &config.device)) {
@@ -225,6 +231,18 @@ static const struct config *get_config(void)
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct fake_icd_stats stats[FAKE_ICD_MAX_GPUS];
+
+/* With FAKE_ICD_REUSE=1: the last handle freed, handed out again next; and what runs once, in the next vkFreeMemory,
+ * right after the handle is freed (as another thread's allocation can). */
+static struct fake_memory *recycled;
+static fake_icd_hook after_free;
+
+EXPORT void fake_icd_after_free(fake_icd_hook hook)
+{
+    pthread_mutex_lock(&lock);
+    after_free = hook;
+    pthread_mutex_unlock(&lock);
+}
 
 EXPORT bool fake_icd_stats(uint32_t gpu, struct fake_icd_stats *out)
 {
@@ -657,7 +675,13 @@ static VKAPI_ATTR VkResult VKAPI_CALL fake_AllocateMemory(VkDevice handle, const
         return VK_ERROR_UNKNOWN;
     }
     uint32_t heap = info->memoryTypeIndex; /* type i is on heap i */
-    struct fake_memory *memory = malloc(sizeof *memory);
+    pthread_mutex_lock(&lock);
+    struct fake_memory *memory = recycled;
+    recycled = NULL;
+    pthread_mutex_unlock(&lock);
+    if (memory == NULL) {
+        memory = malloc(sizeof *memory);
+    }
     if (memory == NULL) {
         return VK_ERROR_OUT_OF_HOST_MEMORY;
     }
@@ -701,8 +725,17 @@ static VKAPI_ATTR void VKAPI_CALL fake_FreeMemory(VkDevice handle, VkDeviceMemor
     if (found == NULL) {
         stats[device->gpu].bad_calls++;
     }
+    if (found != NULL && config.reuse && recycled == NULL) {
+        recycled = found;
+        found = NULL;
+    }
+    fake_icd_hook hook = after_free;
+    after_free = NULL;
     pthread_mutex_unlock(&lock);
     free(found);
+    if (hook != NULL) {
+        hook();
+    }
 }
 
 /* -- the entry points ----------------------------------------------------------------------------------------- */

@@ -50,5 +50,11 @@ struct fake_icd_stats {
 /* GPU gpu's record; false for a GPU the configuration does not have. The harness reaches it with dlsym. */
 bool fake_icd_stats(uint32_t gpu, struct fake_icd_stats *out);
 typedef bool (*fake_icd_stats_function)(uint32_t gpu, struct fake_icd_stats *out);
+/* What runs once, in the next vkFreeMemory, just after the driver freed the handle (FAKE_ICD_REUSE=1 hands it out
+ * again next): another thread's allocation in the layer's window. Reached with dlsym, like fake_icd_stats. */
+typedef void (*fake_icd_hook)(void);
+#define FAKE_ICD_AFTER_FREE_SYMBOL "fake_icd_after_free"
+void fake_icd_after_free(fake_icd_hook hook);
+typedef void (*fake_icd_after_free_function)(fake_icd_hook hook);
 
 #endif

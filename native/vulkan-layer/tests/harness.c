@@ -25,7 +25,10 @@
 #include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -931,6 +934,275 @@ static void several_gpus(void)
     vkDestroyInstance(instance, NULL);
 }
 
+/* -- what forks, exports, reused handles and a full file do to the accounting ------------------------------------ */
+
+/* The slice's accounting file, as GPUPPETTI_VK_ACCOUNTING names it. */
+static void accounting_path(char *out, size_t size)
+{
+    const char *directory = getenv("GPUPPETTI_VK_ACCOUNTING");
+    snprintf(out, size, "%s/slice-0.acct", directory != NULL ? directory : "/nonexistent");
+}
+
+static int64_t file_field(size_t offset)
+{
+    char path[512];
+    accounting_path(path, sizeof path);
+    int64_t value = -1;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    CHECK(fd >= 0 && pread(fd, &value, sizeof value, (off_t)offset) == (ssize_t)sizeof value, "reading %s", path);
+    if (fd >= 0) {
+        close(fd);
+    }
+    return value;
+}
+
+/* A forked child that frees a handle its parent allocated frees its copy: the parent's memory stays counted. */
+static void fork_free(void)
+{
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkDeviceMemory memory;
+    VkResult result = allocate(device, 100 * MIB, NULL, &memory);
+    CHECK(result == VK_SUCCESS, "allocating 100 MiB: %d", result);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        vkFreeMemory(device, memory, NULL);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child ended with status %d", status);
+    int64_t total = file_field(offsetof(struct acct_file, total));
+    CHECK(total == (int64_t)(100 * MIB), "total %lld after the child freed its copy", (long long)total);
+    VkDeviceMemory more;
+    result = allocate(device, 200 * MIB, NULL, &more);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "200 MiB more past a 256 MiB slice: %d", result);
+    if (result == VK_SUCCESS) {
+        vkFreeMemory(device, more, NULL);
+    }
+    vkFreeMemory(device, memory, NULL);
+    total = file_field(offsetof(struct acct_file, total));
+    CHECK(total == 0, "total %lld after the parent freed it", (long long)total);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* A handle freed and handed out again at once (to another thread, in the driver's call) keeps the new record. */
+static VkDevice reuse_device;
+static VkDeviceMemory reuse_memory;
+
+static void allocate_in_the_window(void)
+{
+    VkResult result = allocate(reuse_device, 32 * MIB, NULL, &reuse_memory);
+    CHECK(result == VK_SUCCESS, "allocating 32 MiB while 64 MiB is freed: %d", result);
+}
+
+static void free_reuse(void)
+{
+    VkInstance instance = make_instance();
+    VkPhysicalDevice physical = first_gpu(instance);
+    reuse_device = make_device(physical, NULL, 0);
+    const char *library = getenv("HARNESS_FAKE_ICD_LIBRARY");
+    void *handle = library != NULL ? dlopen(library, RTLD_NOW | RTLD_NOLOAD) : NULL;
+    fake_icd_after_free_function after_free =
+        handle != NULL ? (fake_icd_after_free_function)dlsym(handle, FAKE_ICD_AFTER_FREE_SYMBOL) : NULL;
+    CHECK(after_free != NULL, "the fake driver has no %s", FAKE_ICD_AFTER_FREE_SYMBOL);
+    VkDeviceMemory first;
+    VkResult result = allocate(reuse_device, 64 * MIB, NULL, &first);
+    CHECK(result == VK_SUCCESS, "allocating 64 MiB: %d", result);
+    if (after_free != NULL && result == VK_SUCCESS) {
+        after_free(allocate_in_the_window);
+        vkFreeMemory(reuse_device, first, NULL);
+        CHECK(reuse_memory == first, "the driver did not hand the handle out again");
+        int64_t total = file_field(offsetof(struct acct_file, total));
+        CHECK(total == (int64_t)(32 * MIB), "total %lld MiB with the 32 MiB allocation alone held",
+              (long long)(total / (int64_t)MIB));
+        vkFreeMemory(reuse_device, reuse_memory, NULL);
+        total = file_field(offsetof(struct acct_file, total));
+        CHECK(total == 0, "total %lld MiB after both were freed", (long long)(total / (int64_t)MIB));
+    }
+    vkDestroyDevice(reuse_device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* Exported memory whose fd outlives its exporter stays counted: four exporters of 200 MiB that each hand their fd to
+ * a process that lives on get one 200 MiB between them under a 256 MiB slice, not four. */
+static int export_and_hand_over(int socket)
+{
+    VkInstance instance = make_instance();
+    VkPhysicalDevice physical = first_gpu(instance);
+    if (!has_device_extension(physical, VK_KHR_EXTERNAL_MEMORY_FD_EXTENSION_NAME, NULL)) {
+        return 4;
+    }
+    const char *extensions[] = {VK_KHR_EXTERNAL_MEMORY_EXTENSION_NAME, VK_KHR_EXTERNAL_MEMORY_FD_EXTENSION_NAME};
+    VkDevice device = make_device(physical, extensions, 2);
+    PFN_vkGetMemoryFdKHR get_fd = (PFN_vkGetMemoryFdKHR)vkGetDeviceProcAddr(device, "vkGetMemoryFdKHR");
+    VkExportMemoryAllocateInfo export = {.sType = VK_STRUCTURE_TYPE_EXPORT_MEMORY_ALLOCATE_INFO,
+                                         .handleTypes = VK_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD_BIT};
+    VkDeviceMemory memory;
+    if (get_fd == NULL || allocate(device, 200 * MIB, &export, &memory) != VK_SUCCESS) {
+        return 3;
+    }
+    VkMemoryGetFdInfoKHR info = {.sType = VK_STRUCTURE_TYPE_MEMORY_GET_FD_INFO_KHR, .memory = memory,
+                                 .handleType = VK_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD_BIT};
+    int fd = -1;
+    if (get_fd(device, &info, &fd) != VK_SUCCESS || fd < 0) {
+        return 5;
+    }
+    char byte = 0;
+    struct iovec part = {.iov_base = &byte, .iov_len = 1};
+    char control[CMSG_SPACE(sizeof(int))];
+    memset(control, 0, sizeof control);
+    struct msghdr message = {.msg_iov = &part, .msg_iovlen = 1, .msg_control = control,
+                             .msg_controllen = sizeof control};
+    struct cmsghdr *header = CMSG_FIRSTHDR(&message);
+    header->cmsg_level = SOL_SOCKET;
+    header->cmsg_type = SCM_RIGHTS;
+    header->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(header), &fd, sizeof fd);
+    if (sendmsg(socket, &message, 0) != 1) {
+        return 6;
+    }
+    vkFreeMemory(device, memory, NULL);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+    return failures == 0 ? 0 : 1;
+}
+
+static void exports_outlive(void)
+{
+    int kept[4];
+    int held = 0;
+    for (int round = 0; round < 4; round++) {
+        int sockets[2];
+        CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) == 0, "socketpair");
+        fflush(NULL);
+        pid_t child = fork();
+        if (child == 0) {
+            close(sockets[0]);
+            _exit(export_and_hand_over(sockets[1]));
+        }
+        close(sockets[1]);
+        int status = 0;
+        waitpid(child, &status, 0);
+        int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        if (code == 4) {
+            printf("%s: skipped: the driver has no VK_KHR_external_memory_fd\n", scenario_name);
+            close(sockets[0]);
+            return;
+        }
+        CHECK(code == (round == 0 ? 0 : 3), "round %d: the exporter ended with %d (0: given, 3: refused)", round,
+              code);
+        if (code == 0) {
+            char byte;
+            char control[CMSG_SPACE(sizeof(int))];
+            struct iovec part = {.iov_base = &byte, .iov_len = 1};
+            struct msghdr message = {.msg_iov = &part, .msg_iovlen = 1, .msg_control = control,
+                                     .msg_controllen = sizeof control};
+            if (recvmsg(sockets[0], &message, 0) == 1 && CMSG_FIRSTHDR(&message) != NULL) {
+                memcpy(&kept[held++], CMSG_DATA(CMSG_FIRSTHDR(&message)), sizeof(int));
+            }
+        }
+        close(sockets[0]);
+    }
+    CHECK(held == 1, "%d exports held past their exporters", held);
+    int64_t total = file_field(offsetof(struct acct_file, total));
+    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB while the export is held", (long long)(total / (int64_t)MIB));
+    for (int i = 0; i < held; i++) {
+        close(kept[i]);
+    }
+}
+
+/* More processes than slots: the one that shares a slot keeps its memory counted when the slot's owner dies. */
+static void slots_past_256(void)
+{
+    char path[512];
+    accounting_path(path, sizeof path);
+    int ready[2], go[2];
+    CHECK(pipe(ready) == 0 && pipe(go) == 0, "pipe");
+    pid_t owners[ACCT_SLOTS];
+    for (int i = 0; i < ACCT_SLOTS; i++) {
+        fflush(NULL);
+        owners[i] = fork();
+        if (owners[i] == 0) {
+            close(ready[0]);
+            close(go[1]);
+            struct acct acct;
+            acct_open(&acct, path, (int64_t)(SLICE_MIB * MIB));
+            char byte = acct.slot >= 0 && acct_reserve(&acct, (int64_t)(SLICE_MIB * MIB), 0, 1) ? 'y' : 'n';
+            ssize_t wrote = write(ready[1], &byte, 1);
+            ssize_t got = read(go[0], &byte, 1); /* until the scenario ends: it closes go */
+            _exit(wrote == 1 && got >= 0 ? 0 : 1);
+        }
+    }
+    close(ready[1]);
+    close(go[0]);
+    int claimed = 0;
+    for (int i = 0; i < ACCT_SLOTS; i++) {
+        char byte = 0;
+        claimed += read(ready[0], &byte, 1) == 1 && byte == 'y';
+    }
+    CHECK(claimed == ACCT_SLOTS, "%d of %d processes claimed a slot", claimed, ACCT_SLOTS);
+    struct acct late;
+    acct_open(&late, path, (int64_t)(SLICE_MIB * MIB));
+    CHECK(acct_reserve(&late, (int64_t)(SLICE_MIB * MIB), 0, 10 * (int64_t)MIB), "reserving 10 MiB, 257th");
+    /* Every owner dies; a newcomer reaps what they held. */
+    for (int i = 0; i < ACCT_SLOTS; i++) {
+        kill(owners[i], SIGKILL);
+        waitpid(owners[i], NULL, 0);
+    }
+    close(go[1]);
+    close(ready[0]);
+    fflush(NULL);
+    pid_t newcomer = fork();
+    if (newcomer == 0) {
+        struct acct acct;
+        acct_open(&acct, path, (int64_t)(SLICE_MIB * MIB));
+        _exit(acct_reap(&acct) >= 0 ? 0 : 1);
+    }
+    waitpid(newcomer, NULL, 0);
+    /* The 257th's 10 MiB, and at most the byte of the owner it shared a slot with: that slot is emptied only when
+     * both are gone (more, never less). */
+    int64_t total = acct_total(&late);
+    CHECK(total >= 10 * (int64_t)MIB && total <= 10 * (int64_t)MIB + 1, "total %lld bytes with the 257th's 10 MiB "
+          "alone live", (long long)total);
+    acct_release(&late, 0, 10 * (int64_t)MIB);
+    total = acct_total(&late);
+    CHECK(total >= 0 && total <= 1, "total %lld after it was given back", (long long)total);
+}
+
+/* Where mmap fails (no memory left), each slice still has counts of its own: the harness links accounting.c with
+ * mmap wrapped, so that this scenario can make an anonymous mapping fail. */
+void *__real_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset);
+void *__wrap_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset);
+static bool anonymous_maps_fail;
+
+void *__wrap_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset)
+{
+    if (anonymous_maps_fail && (flags & MAP_ANONYMOUS) != 0) {
+        errno = ENOMEM;
+        return MAP_FAILED;
+    }
+    return __real_mmap(address, length, protection, flags, fd, offset);
+}
+
+static void private_fallbacks(void)
+{
+    anonymous_maps_fail = true;
+    struct acct small, large;
+    acct_open(&small, NULL, 100 * (int64_t)MIB);
+    acct_open(&large, NULL, 200 * (int64_t)MIB);
+    anonymous_maps_fail = false;
+    CHECK(acct_reserve(&small, 100 * (int64_t)MIB, 0, 80 * (int64_t)MIB), "80 MiB of a 100 MiB slice");
+    CHECK(acct_reserve(&large, 200 * (int64_t)MIB, 0, 150 * (int64_t)MIB), "150 MiB of a 200 MiB slice, beside it");
+    CHECK(acct_total(&small) == 80 * (int64_t)MIB && acct_total(&large) == 150 * (int64_t)MIB,
+          "totals %lld and %lld MiB", (long long)(acct_total(&small) / (int64_t)MIB),
+          (long long)(acct_total(&large) / (int64_t)MIB));
+    CHECK(small.file != large.file && small.file != NULL && small.file->budget == 100 * (int64_t)MIB,
+          "the slices share their counts");
+}
+
 /* -- running them ---------------------------------------------------------------------------------------------- */
 
 struct scenario {
@@ -946,6 +1218,9 @@ static const struct scenario scenarios[] = {
     {"fake-pass-through", fake_pass_through}, {"fake-own-budget", fake_own_budget},
     {"fake-discrete-slice", fake_discrete_slice}, {"fake-integrated-slice", fake_integrated_slice},
     {"fake-refuses-typos", fake_refuses_typos},
+    {"fork-free", fork_free},                 {"free-reuse", free_reuse},
+    {"exports-outlive", exports_outlive},     {"slots-past-256", slots_past_256},
+    {"private-fallbacks", private_fallbacks},
 };
 
 static char accounting_dir[] = "/tmp/gpuppetti-harness-XXXXXX";
@@ -978,7 +1253,7 @@ struct driver {
 
 static const char *const fake_settings[] = {"FAKE_ICD_GPUS", "FAKE_ICD_TYPE", "FAKE_ICD_HEAPS", "FAKE_ICD_BUDGET",
                                             "FAKE_ICD_ELSEWHERE", "FAKE_ICD_PCI", "FAKE_ICD_VENDOR",
-                                            "FAKE_ICD_DEVICE"};
+                                            "FAKE_ICD_DEVICE", "FAKE_ICD_REUSE"};
 
 /* Start one scenario in a process of its own with these settings, on that driver. */
 static pid_t start(const char *self, const char *name, const char *slices, const char *compute, bool accounting,
@@ -1100,6 +1375,9 @@ static bool on_lavapipe(const char *self, const char *manifest)
     ok &= killed_holders(self, slice, &lavapipe);
     ok &= run(self, "budget-after-kills", slice, NULL, true, 0, &lavapipe);
     ok &= run(self, "throttled-submits", slice, "250", true, 0, &lavapipe);
+    /* Exports stay counted in the file for as long as it lives: a file of their own. */
+    ok &= run(self, "exports-outlive", slice, NULL, true, 0, &lavapipe);
+    make_accounting();
     return ok;
 }
 
@@ -1148,6 +1426,11 @@ static bool on_the_fake_driver(const char *self, const char *manifest)
      * testing something else. */
     const struct driver typo = {manifest, {"FAKE_ICD_HEAPS=device:8Q"}};
     ok &= run(self, "fake-refuses-typos", NULL, NULL, false, 0, &typo);
+    ok &= run(self, "fork-free", slice, NULL, true, 0, &roomy);
+    const struct driver reusing = {manifest, {"FAKE_ICD_HEAPS=device:1G,host:4G", "FAKE_ICD_REUSE=1"}};
+    ok &= run(self, "free-reuse", slice, NULL, true, 0, &reusing);
+    ok &= run(self, "slots-past-256", slice, NULL, true, 0, &roomy);
+    ok &= run(self, "private-fallbacks", slice, NULL, false, 0, &roomy);
     return ok;
 }
 

@@ -20,7 +20,7 @@ import secrets
 import stat
 import tempfile
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,12 +121,6 @@ def create_file(path: str, data: bytes, mode: int, size: int = 0) -> None:
 def read_untrusted(path: str, limit: int) -> bytes | None:
     """The first ``limit`` bytes of ``path``, in a directory others can write: None unless it is a regular file
     (never through a link, never blocking on a FIFO)."""
-    spans = read_untrusted_spans(path, [(0, limit)])
-    return spans[0] if spans is not None else None
-
-
-def read_untrusted_spans(path: str, spans: Sequence[tuple[int, int]]) -> list[bytes] | None:
-    """The bytes at each (offset, length) of ``path``, with read_untrusted's care; a span past the end is short."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -134,7 +128,7 @@ def read_untrusted_spans(path: str, spans: Sequence[tuple[int, int]]) -> list[by
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return [os.pread(fd, length, offset) for offset, length in spans]
+        return os.pread(fd, limit, 0)
     except OSError:
         return None
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import shutil
 import tarfile
 import tempfile
@@ -105,7 +106,12 @@ def vulkan_icd() -> Path | None:
     """Mesa's lavapipe ICD manifest on this host, if it has one (and the loader)."""
     if not VULKAN_LOADER.exists():
         return None
-    return next(iter(sorted(ICD_DIR.glob("lvp_icd*.json"))), None)
+    # Debian names the manifest by architecture where a foreign one is installed beside it (lvp_icd.aarch64.json
+    # for the cross tests): only this machine's lavapipe runs here.
+    for name in (f"lvp_icd.{platform.machine()}.json", "lvp_icd.json"):
+        if (ICD_DIR / name).is_file():
+            return ICD_DIR / name
+    return None
 
 
 class PodmanSandbox:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +36,6 @@ from gpuppetti.base.fsutil import (
     mount_tmpfs,
     mounts_propagate,
     read_untrusted,
-    read_untrusted_spans,
     remove_file,
     remove_tree,
     unmount,
@@ -77,6 +78,16 @@ ACCT_FILE_SIZE = 36864
 ACCT_NOT_BEFORE_OFFSET = 34976
 # How long the slice's submits have waited in all (ns; accounting.h).
 ACCT_WAITED_OFFSET = 34984
+# What each process slot holds (int64 each), and what no slot holds (exported memory): accounting.h.
+ACCT_SLOT_BYTES_OFFSET = 160
+ACCT_UNOWNED_OFFSET = 34992
+# Each live process holds an open-file-description lock on its slot's byte from here; the kernel drops it when the
+# process dies, whatever PID namespace it ran in.
+ACCT_LOCK_BASE = 1048576
+# The most one figure may say (the container writes the file): far above any GPU's memory.
+ACCT_FIGURE_LIMIT = 1 << 60
+# struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid (and padding).
+_FLOCK = struct.Struct("@hhqqi4x")
 # Slices read per allocation at most (a container given more GPUs than this is reported for the first ones).
 MAX_SLICES_READ = 64
 
@@ -164,9 +175,9 @@ def _clear_not_before(path: str) -> None:
 
 @dataclass(frozen=True)
 class SliceUse:
-    """What the layer's accounting file of one slice says: its budget, what the container's processes hold, and how
-    long their submits waited for the slice's share of the GPU's time. The container can write the file: the
-    numbers are what it says, clamped to be no less than 0."""
+    """What the layer's accounting file of one slice says: its budget, what the container's live processes hold (and
+    the exported memory that outlives them), and how long their submits waited for the slice's share of the GPU's
+    time. The container can write the file: each number is clamped to 0..ACCT_FIGURE_LIMIT."""
 
     index: int
     budget: int
@@ -174,14 +185,45 @@ class SliceUse:
     waited_seconds: float
 
 
+def _figure(data: bytes, offset: int) -> int:
+    """One int64 of the file, clamped; 0 where the file is too short to hold it."""
+    if len(data) < offset + 8:
+        return 0
+    value: int = struct.unpack_from("<q", data, offset)[0]
+    return min(max(value, 0), ACCT_FIGURE_LIMIT)
+
+
+def _slot_live(fd: int, slot: int) -> bool:
+    """Whether a live process holds slot's lock (any lock there would stop a write lock)."""
+    query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, ACCT_LOCK_BASE + slot, 1, 0)
+    kind: int = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query))[0]
+    return kind != fcntl.F_UNLCK
+
+
 def read_use(path: str, index: int) -> SliceUse | None:
-    """One accounting file's figures; None where it is not one (missing, not a regular file, not the layout)."""
-    spans = read_untrusted_spans(path, [(0, 32), (ACCT_WAITED_OFFSET, 8)])
-    if spans is None or len(spans[0]) < 32 or not spans[0].startswith(ACCT_MAGIC):
+    """One accounting file's figures; None where it is not one (missing, a link, not a regular file, not the
+    layout). Only live processes' slots count: what a killed process held leaves the figure as it dies."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return None
-    budget, total = struct.unpack_from("<qq", spans[0], 16)
-    waited = struct.unpack("<q", spans[1])[0] if len(spans[1]) == 8 else 0
-    return SliceUse(index, max(budget, 0), max(total, 0), max(waited, 0) / 1e9)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.pread(fd, ACCT_UNOWNED_OFFSET + 8, 0)
+        if len(data) < 32 or not data.startswith(ACCT_MAGIC):
+            return None
+        used = _figure(data, ACCT_UNOWNED_OFFSET)
+        for slot in range(ACCT_SLOTS):
+            held = _figure(data, ACCT_SLOT_BYTES_OFFSET + 8 * slot)
+            if held and _slot_live(fd, slot):
+                used += held
+        return SliceUse(index, _figure(data, 16), min(used, ACCT_FIGURE_LIMIT),
+                        _figure(data, ACCT_WAITED_OFFSET) / 1e9)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def slices_env(budgets: Sequence[Budget]) -> str:
