@@ -32,6 +32,7 @@ from pydantic import BaseModel, BeforeValidator, PlainValidator, WrapValidator
 from pydantic.alias_generators import to_camel
 
 import gpuppetti
+from gpuppetti.base import syntax
 from gpuppetti.commands import manifests
 from gpuppetti.core.config import Config
 
@@ -56,7 +57,7 @@ MARKERS = (NAMESPACE, IMAGE, PULL_POLICY, LAYER_DIR, "chart-config", NODE_SELECT
 
 # A scalar marker -> the expression that computes it.
 SCALARS = {
-    NAMESPACE: ".Release.Namespace",
+    NAMESPACE: ".Release.Namespace | quote",
     IMAGE: 'include "gpuppetti.image" . | quote',
     PULL_POLICY: ".Values.image.pullPolicy | quote",
     LAYER_DIR: ".Values.vulkanLayerDir | quote",
@@ -397,16 +398,45 @@ TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
 DIGEST = r"[a-z0-9]+([+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}"
 
 
+def _body(pattern: re.Pattern[str]) -> str:
+    """A pattern of gpuppetti.base.syntax without its anchors, to build a schema's pattern from."""
+    return pattern.pattern.removeprefix("^").removesuffix("$")
+
+
+# What the API server takes, as Kubernetes checks it: a label key ([DNS subdomain/]name), a label value, and a
+# quantity (its OpenAPI pattern, without the sign: a container's resources are never negative).
+LABEL_NAME = _body(syntax.LABEL_NAME)
+LABEL_KEY = f"({_body(syntax.DNS_SUBDOMAIN)}/)?{LABEL_NAME}"
+QUANTITY = (r"\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+            r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?")
+# The longest label key: a 253-character prefix, '/', a 63-character name.
+LABEL_KEY_LENGTH = 253 + 1 + 63
+
+
 def values_schema() -> dict[str, Any]:
+    label_key = {"type": "string", "pattern": f"^{LABEL_KEY}$", "maxLength": LABEL_KEY_LENGTH}
+    label_value = {"type": "string", "pattern": f"^({LABEL_NAME})?$", "maxLength": 63}
     toleration = {
         "type": "object",
-        "properties": {"key": {"type": "string"}, "operator": {"enum": ["Exists", "Equal"]},
-                       "value": {"type": "string"},
+        "properties": {"key": {**label_key, "pattern": f"^({LABEL_KEY})?$"},
+                       "operator": {"enum": ["Exists", "Equal"]},
+                       "value": label_value,
                        "effect": {"enum": ["", "NoSchedule", "PreferNoSchedule", "NoExecute"]},
                        "tolerationSeconds": {"type": "integer"}},
         "additionalProperties": False,
+        # The API server's rules: no key tolerates every taint, and needs Exists; Exists takes no value;
+        # tolerationSeconds is for NoExecute.
+        "allOf": [
+            {"if": {"not": {"required": ["key"], "properties": {"key": {"minLength": 1}}}},
+             "then": {"required": ["operator"], "properties": {"operator": {"const": "Exists"}}}},
+            {"if": {"required": ["operator"], "properties": {"operator": {"const": "Exists"}}},
+             "then": {"properties": {"value": {"maxLength": 0}}}},
+            {"if": {"required": ["tolerationSeconds"]},
+             "then": {"required": ["effect"], "properties": {"effect": {"const": "NoExecute"}}}},
+        ],
     }
-    quantities = {"type": "object", "additionalProperties": {"type": ["string", "integer", "number"]}}
+    quantity = {"oneOf": [{"type": "string", "pattern": f"^{QUANTITY}$"}, {"type": "number", "minimum": 0}]}
+    quantities = {"type": "object", "additionalProperties": quantity}
     return {
         # Draft 7, which older Helm 3 releases read too (their JSON Schema library knows no newer draft).
         "$schema": "http://json-schema.org/draft-07/schema#",
@@ -431,14 +461,16 @@ def values_schema() -> dict[str, Any]:
                 "required": ["repository", "tag"],
                 "additionalProperties": False,
             },
-            "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+            "nodeSelector": {"type": "object", "propertyNames": label_key, "additionalProperties": label_value},
             "tolerations": {"type": "array", "items": toleration},
             "resources": {
                 "type": "object",
                 "properties": {"requests": quantities, "limits": quantities},
                 "additionalProperties": False,
             },
-            "vulkanLayerDir": {"type": "string", "pattern": "^(/.*)?$",
+            # gpuppetti.base.syntax's host path: absolute, no control character, no '..' part.
+            "vulkanLayerDir": {"type": "string", "pattern": r"^(/[^\x00-\x1f\x7f]*)?$",
+                               "not": {"pattern": r"(^|/)\.\.(/|$)"},
                                "description": "an absolute path on the node, or empty to turn enforcement off"},
         },
         "required": ["mode", "image"],

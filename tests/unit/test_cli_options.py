@@ -74,3 +74,28 @@ def test_help_fits_80_columns(monkeypatch: pytest.MonkeyPatch, command: str) -> 
     parser = build_parser()
     text = (parser.commands[command] if command else parser).format_help()
     assert max(len(line) for line in text.splitlines()) <= 80, text
+
+
+# -- a value ending in a newline: Python's `$` matched before it, and every one of these took it ---------------------
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["manifests", "--node-selector", "pool=gpu\n"], "--node-selector"),
+    (["manifests", "--node-selector", "pool\n=gpu"], "--node-selector"),
+    (["manifests", "--toleration", "dedicated\n:NoSchedule"], "--toleration"),
+    (["manifests", "--toleration", "dedicated=gpu\n"], "--toleration"),
+    (["manifests", "--image", "registry.example/gpuppetti:0.1.0\n"], "--image"),
+    (["manifests", "--namespace", "gpus\n"], "--namespace"),
+    (["host-agent", "--namespace", "gpus\n"], "--namespace"),
+    (["dra", "--node-name", "node-1\n"], "--node-name"),
+    (["manifests", "--requests", "cpu=50m\n"], "--requests"),
+    (["manifests", "--limits", "memory= 128Mi"], "--limits"),
+])
+def test_a_value_with_a_trailing_newline_is_refused(args: list[str], flag: str) -> None:
+    with pytest.raises(UsageError, match=f"argument {flag}"):
+        parse(args, {})
+
+
+@pytest.mark.parametrize("directory", ["/var/lib/gpuppetti\n", "/var/lib/\tgpuppetti", "/var/lib/../../etc"])
+def test_the_vulkan_layer_dir_of_the_manifests_is_a_host_path(directory: str) -> None:
+    with pytest.raises(UsageError, match="--vulkan-layer-dir"):
+        parse(["manifests", "--vulkan-layer-dir", directory], {})

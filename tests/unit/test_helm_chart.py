@@ -218,6 +218,52 @@ def test_a_bad_value_fails_naming_it(chart: Any, values: dict[str, Any], message
     assert message in str(failure.value)
 
 
+# What the chart rendered and the API server then refused: each is refused by the values' schema, naming it.
+@pytest.mark.parametrize(("values", "says"), [
+    # A key is named by the schema's library as a property name, at the root.
+    ({"nodeSelector": {"pool\nx": "gpu"}}, "invalid propertyName 'pool"),
+    ({"nodeSelector": {"-pool": "gpu"}}, "invalid propertyName '-pool'"),
+    ({"nodeSelector": {"Example.com/pool": "gpu"}}, "invalid propertyName 'Example.com/pool'"),
+    ({"nodeSelector": {"pool": "gpu\n"}}, "at '/nodeSelector/pool'"),
+    ({"nodeSelector": {"pool": "a" * 64}}, "at '/nodeSelector/pool'"),
+    ({"tolerations": [{"key": "bad key", "operator": "Exists"}]}, "at '/tolerations/0/key'"),
+    ({"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu\n"}]}, "at '/tolerations/0/value'"),
+    ({"tolerations": [{"key": "dedicated", "effect": "NoScheduling"}]}, "at '/tolerations/0/effect'"),
+    ({"tolerations": [{"operator": "Equal", "value": "gpu"}]}, "at '/tolerations/0'"),
+    ({"tolerations": [{"key": "dedicated", "operator": "Exists", "value": "gpu"}]}, "at '/tolerations/0'"),
+    ({"tolerations": [{"key": "dedicated", "effect": "NoSchedule", "tolerationSeconds": 30}]}, "at '/tolerations/0'"),
+    ({"resources": {"requests": {"cpu": "50 m"}}}, "at '/resources/requests/cpu'"),
+    ({"resources": {"limits": {"memory": "128MB"}}}, "at '/resources/limits/memory'"),
+    ({"resources": {"limits": {"memory": "-128Mi"}}}, "at '/resources/limits/memory'"),
+    ({"resources": {"limits": {"memory": "128Mi\n"}}}, "at '/resources/limits/memory'"),
+    ({"resources": {"limits": {"cpu": -1}}}, "at '/resources/limits/cpu'"),
+    ({"vulkanLayerDir": "/var/lib/gpuppetti\n"}, "at '/vulkanLayerDir'"),
+    ({"vulkanLayerDir": "/var/lib/../../etc"}, "at '/vulkanLayerDir'"),
+])
+def test_what_the_api_server_would_refuse_fails_the_schema(chart: Any, values: dict[str, Any], says: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError) as failure:
+        render(chart, values)
+    assert says in str(failure.value)
+
+
+@pytest.mark.parametrize("values", [
+    {"nodeSelector": {"kubernetes.io/arch": "amd64", "example.com/pool": "", "a_b.c": "A-1"}},
+    {"tolerations": [{"operator": "Exists"}, {"key": "k", "operator": "Exists", "effect": "NoExecute",
+                                              "tolerationSeconds": 60}]},
+    {"resources": {"requests": {"cpu": "0.5", "memory": "1e9"}, "limits": {"cpu": 2, "memory": "+1.5Gi"}}},
+])
+def test_what_the_api_server_takes_passes_the_schema(chart: Any, values: dict[str, Any]) -> None:
+    render(chart, values)
+
+
+def test_a_namespace_that_is_no_namespace_name_fails_and_injects_nothing(chart: Any) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match="is not a namespace name"):
+        render(chart, {}, namespace="gpuppetti\n  injected: true")
+    # Quoted wherever it is written, besides.
+    for template in (CHART / "templates").glob("*.yaml"):
+        assert "{{ .Release.Namespace }}" not in template.read_text(), template.name
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"mode": "dra", "replicas": 4}, "replicas is for the device plugin (mode: deviceplugin)"),
     ({"mode": "dra", "labelNode": True}, "labelNode is for the device plugin (mode: deviceplugin)"),

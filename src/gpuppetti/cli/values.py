@@ -13,6 +13,7 @@ from gpuppetti.base.quantity import parse_quantity
 from gpuppetti.base.syntax import (
     dns_label_problem,
     dns_subdomain_problem,
+    host_path_problem,
     http_url_problem,
     image_problem,
     label_key_problem,
@@ -197,7 +198,8 @@ def resource_list(text: str) -> dict[str, str] | None:
     found: dict[str, str] = {}
     for item in text.split(","):
         name, equals, quantity = item.partition("=")
-        if not equals or name not in ("cpu", "memory"):
+        # parse_quantity forgives the spaces around a config's value; a manifest would carry them to the API server.
+        if not equals or name not in ("cpu", "memory") or quantity != quantity.strip():
             raise Bad("expected cpu=QUANTITY and/or memory=QUANTITY, comma-separated (cpu=50m,memory=128Mi), or none")
         try:
             if parse_quantity(quantity) <= 0:
@@ -210,6 +212,6 @@ def resource_list(text: str) -> dict[str, str] | None:
 
 def host_directory(text: str) -> str:
     """An absolute directory on the node, as a hostPath takes it; empty for none."""
-    if text and not text.startswith("/"):
-        raise Bad("must be an absolute path on the node, or '' for none")
+    if text and (problem := host_path_problem(text)) is not None:
+        raise Bad(f"{problem}, or '' for none")
     return text

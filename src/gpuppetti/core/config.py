@@ -54,7 +54,7 @@ _RESOURCE_NAME = re.compile(
 
 def resource_name_problem(name: str) -> str | None:
     """Why the kubelet would reject ``name`` as an extended resource name, or None if it is fine."""
-    match = _RESOURCE_NAME.match(name)
+    match = _RESOURCE_NAME.fullmatch(name)
     if not match:
         return f"{shown(name)} is not an extended resource name of the form 'vendor.example.com/name'"
     domain = match.group("domain")

@@ -203,7 +203,7 @@ class LayerDir:
         """The allocation's directory, with an accounting file per GPU (one per budget, in order). ``fresh``
         starts each from zero; otherwise a file that is there is kept (a restarted driver must not forget what
         running containers hold). Blocks: run it in a thread. Raises OSError, or ValueError for a bad id."""
-        if not _ALLOCATION_ID.match(allocation):
+        if not _ALLOCATION_ID.fullmatch(allocation):
             raise ValueError(f"not an allocation id: {allocation[:80]!r}")
         # On the device plugin's Allocate path: a few system calls, no temporary files. Nothing reads these files
         # before the container starts, which is after the answer, so no reader can see one half-written.
@@ -227,13 +227,13 @@ class LayerDir:
         return Path(directory)
 
     def remove(self, allocation: str) -> None:
-        if _ALLOCATION_ID.match(allocation):
+        if _ALLOCATION_ID.fullmatch(allocation):
             shutil.rmtree(self.allocations / allocation, ignore_errors=True)
 
     def usage(self, allocation: str, slices: int = MAX_SLICES_READ) -> list[SliceUse]:
         """Each slice of an allocation (the first ``slices`` where the caller knows how many), as its accounting
         files say. Blocks (a few system calls per slice)."""
-        if not _ALLOCATION_ID.match(allocation):
+        if not _ALLOCATION_ID.fullmatch(allocation):
             return []
         directory = f"{self.allocations}/{allocation}/slice-"
         uses = []

@@ -52,6 +52,9 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{/* What values.schema.json cannot say: the values that do not go together, refused as `gpuppetti manifests`
 refuses the same flags. */}}
 {{- define "gpuppetti.validate" -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$" .Release.Namespace) -}}
+{{- fail (printf "the release's namespace %q is not a namespace name: at most 63 lower-case letters, digits and '-', starting and ending with a letter or digit" .Release.Namespace) -}}
+{{- end -}}
 {{- $replicas := not (kindIs "invalid" .Values.replicas) -}}
 {{- if eq .Values.mode "dra" -}}
 {{- if $replicas -}}
