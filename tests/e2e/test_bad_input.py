@@ -64,7 +64,7 @@ CASES = [
      "--token-file {tmp}/empty-token: is empty"),
     ("agent-token-dir", ["host-agent", "--token-file", "{tmp}"], {}, 2, "is a directory"),
     ("agent-namespace", ["host-agent", "--namespace", "Bad_NS"], {}, 2, "--namespace"),
-    ("discover-from-not-a-url", ["discover", "--from", "localhost:9400"], {}, 2, "--from"),
+    ("discover-from-not-a-url", ["discover", "--from", "localhost"], {}, 2, "--from: 'localhost': expected a URL"),
     ("discover-from-nobody", ["discover", "--from", "http://127.0.0.1:1"], {}, 1, "did not answer"),
     ("manifests-dra-replicas", ["manifests", "--mode", "dra", "--replicas", "4"], {}, 2,
      "--replicas is for the device plugin"),

@@ -95,7 +95,28 @@ def test_a_value_with_a_trailing_newline_is_refused(args: list[str], flag: str) 
         parse(args, {})
 
 
-@pytest.mark.parametrize("directory", ["/var/lib/gpuppetti\n", "/var/lib/\tgpuppetti", "/var/lib/../../etc"])
-def test_the_vulkan_layer_dir_of_the_manifests_is_a_host_path(directory: str) -> None:
+@pytest.mark.parametrize("directory", ["/var/lib/gpuppetti\n", "/var/lib/\tgpuppetti", "/var/lib/../../etc",
+                                       "relative/dir", "./vulkan"])
+@pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"], ["doctor"], ["manifests"]])
+def test_the_vulkan_layer_dir_is_one_absolute_host_path_for_every_command(command: list[str], directory: str) -> None:
     with pytest.raises(UsageError, match="--vulkan-layer-dir"):
-        parse(["manifests", "--vulkan-layer-dir", directory], {})
+        parse([*command, "--vulkan-layer-dir", directory], {})
+
+
+def test_the_vulkan_layer_dir_from_the_environment_is_checked_the_same_way() -> None:
+    with pytest.raises(UsageError, match="GPUPPETTI_VULKAN_LAYER_DIR='relative/dir': must be an absolute path"):
+        parse(["plugin"], {"GPUPPETTI_VULKAN_LAYER_DIR": "relative/dir"})
+    assert parse(["plugin"], {"GPUPPETTI_VULKAN_LAYER_DIR": ""}).vulkan_layer_dir is None
+    assert parse(["manifests", "--vulkan-layer-dir", ""], {}).vulkan_layer_dir is None
+    for command in (["plugin"], ["manifests"]):
+        assert parse([*command, "--vulkan-layer-dir", "/opt/vk"], {}).vulkan_layer_dir == Path("/opt/vk")
+
+
+@pytest.mark.parametrize(("args", "dest"), [(["discover", "--from"], "from"), (["top", "--from"], "from"),
+                                            (["doctor", "--daemon"], "daemon")])
+def test_every_command_that_asks_a_daemon_takes_its_address_alike(args: list[str], dest: str) -> None:
+    for given, url in ((":9414", "http://127.0.0.1:9414"), ("10.0.0.7:9400", "http://10.0.0.7:9400"),
+                       ("http://[::1]:9400", "http://[::1]:9400")):
+        assert getattr(parse([*args, given], {}), dest) == url
+    with pytest.raises(UsageError, match="expected a URL"):
+        parse([*args, "localhost"], {})

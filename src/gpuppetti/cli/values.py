@@ -83,7 +83,7 @@ def _address(text: str) -> None:
 
 def daemon_address(text: str) -> str:
     """Where a daemon serves HTTP, as a URL, or as its --http-address (HOST:PORT; no host means this machine).
-    Returns the URL."""
+    Returns the URL. Every command that asks a daemon (discover --from, top --from, doctor --daemon) takes this."""
     if "://" in text:
         return http_url(text)
     try:
@@ -113,11 +113,6 @@ def directory(text: str) -> Path:
 def path(text: str) -> Path:
     """A path the command may create (a socket directory): it must not be empty."""
     return _path(text)
-
-
-def optional_path(text: str) -> Path | None:
-    """A path, or '' for none (a feature turned off)."""
-    return Path(text) if text else None
 
 
 def _path(text: str) -> Path:
@@ -210,8 +205,11 @@ def resource_list(text: str) -> dict[str, str] | None:
     return found
 
 
-def host_directory(text: str) -> str:
-    """An absolute directory on the node, as a hostPath takes it; empty for none."""
-    if text and (problem := host_path_problem(text)) is not None:
+def host_directory(text: str) -> Path | None:
+    """An absolute directory on the node, as a hostPath takes it (the Vulkan layer's, which containers mount);
+    '' for none. The same for the daemons that install there and for the manifests that mount it."""
+    if not text:
+        return None
+    if (problem := host_path_problem(text)) is not None:
         raise Bad(f"{problem}, or '' for none")
-    return text
+    return Path(text)
