@@ -120,3 +120,10 @@ def test_every_command_that_asks_a_daemon_takes_its_address_alike(args: list[str
         assert getattr(parse([*args, given], {}), dest) == url
     with pytest.raises(UsageError, match="expected a URL"):
         parse([*args, "localhost"], {})
+
+
+def test_doctor_takes_the_old_mode_deviceplugin_as_plugin(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["doctor"], {"GPUPPETTI_MODE": "deviceplugin"}).mode == "plugin"
+    assert "old spelling of 'plugin'" in capsys.readouterr().err
+    assert parse(["doctor", "--mode", "plugin"], {}).mode == "plugin"
+    assert capsys.readouterr().err == ""

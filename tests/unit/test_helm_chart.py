@@ -186,7 +186,7 @@ def test_the_helm_labels_are_only_on_the_objects(chart: Any) -> None:
 
 
 @pytest.mark.parametrize("values", [{}, {"mode": "dra"}, {"labelNode": True, "config": SIMULATED}],
-                         ids=["deviceplugin", "dra", "label-node-config"])
+                         ids=["plugin", "dra", "label-node-config"])
 def test_helm_lint_passes(values: dict[str, Any]) -> None:
     if helm_python is None:
         pytest.skip(WHY_NO_HELM)
@@ -197,8 +197,8 @@ def test_helm_lint_passes(values: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"mode": "bogus"}, "at '/mode': value must be one of 'deviceplugin', 'dra'"),
-    ({"mode": "plugin"}, "at '/mode': value must be one of 'deviceplugin', 'dra'"),
+    ({"mode": "bogus"}, "at '/mode': value must be one of 'plugin', 'dra', 'deviceplugin'"),
+    ({"mode": "both"}, "at '/mode': value must be one of 'plugin', 'dra', 'deviceplugin'"),
     ({"nodeSelectors": {"a": "b"}}, "additional properties 'nodeSelectors' not allowed"),
     ({"image": {"repository": "x", "tag": "has space"}}, "at '/image/tag'"),
     ({"image": {"repository": "x", "tag": "dev", "pullPolicy": "always"}}, "at '/image/pullPolicy': value must be"),
@@ -265,8 +265,8 @@ def test_a_namespace_that_is_no_namespace_name_fails_and_injects_nothing(chart: 
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"mode": "dra", "replicas": 4}, "replicas is for the device plugin (mode: deviceplugin)"),
-    ({"mode": "dra", "labelNode": True}, "labelNode is for the device plugin (mode: deviceplugin)"),
+    ({"mode": "dra", "replicas": 4}, "replicas is for the device plugin (mode: plugin)"),
+    ({"mode": "dra", "labelNode": True}, "labelNode is for the device plugin (mode: plugin)"),
     ({"config": SIMULATED, "replicas": 4}, "replicas applies to the generated config; set the replicas in config"),
     ({"config": SIMULATED, "preset": "minikube-krunkit"}, "config and preset are two configs: give one of them"),
 ])
@@ -316,6 +316,45 @@ def test_notes_with_a_preset_label_nothing(chart: Any) -> None:
     notes = render(chart, {"preset": "minikube-krunkit"})[f"{RELEASE}/templates/NOTES.txt"]
     assert "kubectl label" not in notes
     assert "runs on every node" in notes
+    # No "Then": there is nothing before it to do.
+    assert not any(line.startswith("Then") for line in notes.splitlines()), notes
+
+
+# -- one spelling of the mode: plugin, as `gpuppetti manifests --mode` and the node label spell it -----------------
+
+def test_the_default_mode_is_plugin() -> None:
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["mode"] == "plugin"
+
+
+def test_the_old_spelling_deviceplugin_renders_plugin_and_says_so(chart: Any) -> None:
+    old = render(chart, {"mode": "deviceplugin", "labelNode": True})
+    new = render(chart, {"mode": "plugin", "labelNode": True})
+    notes = old.pop(f"{RELEASE}/templates/NOTES.txt")
+    assert notes.startswith("mode: deviceplugin is the chart's old spelling of mode: plugin")
+    assert "kubectl label node NODE gpuppetti.dev/mode=plugin" in notes
+    new_notes = new.pop(f"{RELEASE}/templates/NOTES.txt")
+    assert "deviceplugin" not in new_notes
+    assert objects(old) == objects(new)
+
+
+# -- a chart a Helm user can read ---------------------------------------------------------------------------------
+
+def test_each_template_holds_one_kind_of_object(chart: Any) -> None:
+    """One object per file, as other device plugins' charts have them (the DeviceClasses, one file for the
+    family), each a Helm template rather than a generated blob."""
+    kinds: dict[str, set[str]] = {}
+    for values in ({}, {"mode": "dra"}, {"labelNode": True}):
+        for path, text in render(chart, values).items():
+            for obj in [] if path.endswith("NOTES.txt") else yaml.safe_load_all(text):
+                if obj:
+                    kinds.setdefault(path.rsplit("/", 1)[-1], set()).add(obj["kind"])
+    assert all(len(found) == 1 for found in kinds.values()), kinds
+    assert {name: found.pop() for name, found in kinds.items()} == {
+        "configmap.yaml": "ConfigMap", "serviceaccount.yaml": "ServiceAccount", "clusterrole.yaml": "ClusterRole",
+        "clusterrolebinding.yaml": "ClusterRoleBinding", "deviceclasses.yaml": "DeviceClass",
+        "daemonset.yaml": "DaemonSet"}
+    for template in (CHART / "templates").iterdir():
+        assert "Rendered by" not in template.read_text(), f"{template.name} is generated"
 
 
 def test_chart_version_is_the_packages() -> None:

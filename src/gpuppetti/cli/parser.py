@@ -203,7 +203,7 @@ def build_parser() -> Parser:
            shown_default="none: the usual sockets only",
            help="containerd's socket, as ctr takes it; without --runtime-endpoint it is looked at first (under "
            "--host-root too), before the usual sockets")
-    option(doctor, "--mode", env="GPUPPETTI_MODE", convert=values.choice("plugin", "dra", "both"), default="both",
+    option(doctor, "--mode", env="GPUPPETTI_MODE", convert=values.mode("plugin", "dra", "both"), default="both",
            metavar="MODE", help="what this node runs: plugin, dra or both; the other's kubelet directory is not "
            "checked (the DaemonSets set it in their pods)")
     option(doctor, "--daemon", env="GPUPPETTI_HTTP_ADDRESS", convert=values.daemon_address, metavar="ADDRESS",
@@ -219,7 +219,7 @@ def build_parser() -> Parser:
         "the nodes labelled gpuppetti.dev/mode=<mode> (every node with --preset minikube-krunkit); the labelling "
         "command goes to stderr. The same objects as `kubectl kustomize deploy/base/<mode>` and the overlays.",
     )
-    manifests.add_argument("--mode", type=values.choice("plugin", "dra"), default="plugin", metavar="MODE",
+    manifests.add_argument("--mode", type=values.mode("plugin", "dra"), default="plugin", metavar="MODE",
                            help="plugin (the device plugin) or dra (the DRA driver) (default plugin)")
     option(manifests, "--replicas", convert=values.count(1, 1024), metavar="N", shown_default="no time-slicing",
            help="device plugin: time-slice every GPU into N replicas, under every vendor's default resource name")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,26 @@ def choice(*allowed: str) -> Callable[[str], str]:
         return text
 
     convert.__name__ = "choice"
+    return convert
+
+
+# The Helm chart's first spelling of the device plugin's mode, which still means it.
+OLD_PLUGIN_MODE = "deviceplugin"
+
+
+def mode(*allowed: str) -> Callable[[str], str]:
+    """A mode, spelled as the node label gpuppetti.dev/mode spells it (plugin, dra); the old spelling deviceplugin
+    still means plugin, and says so on a line of its own."""
+    plain = choice(*allowed)
+
+    def convert(text: str) -> str:
+        if text == OLD_PLUGIN_MODE and "plugin" in allowed:
+            print(f"gpuppetti: warning: mode {OLD_PLUGIN_MODE!r} is the old spelling of 'plugin', which it means; "
+                  "write plugin", file=sys.stderr)
+            return "plugin"
+        return plain(text)
+
+    convert.__name__ = "mode"
     return convert
 
 
