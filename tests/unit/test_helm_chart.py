@@ -339,20 +339,22 @@ def test_the_old_spelling_deviceplugin_renders_plugin_and_says_so(chart: Any) ->
 
 # -- a chart a Helm user can read ---------------------------------------------------------------------------------
 
-def test_each_template_holds_one_kind_of_object(chart: Any) -> None:
-    """One object per file, as other device plugins' charts have them (the DeviceClasses, one file for the
-    family), each a Helm template rather than a generated blob."""
+def test_each_template_holds_one_object(chart: Any) -> None:
+    """One object per file, named for its kind, as other device plugins' charts have them; each a Helm template
+    rather than a generated blob."""
     kinds: dict[str, set[str]] = {}
     for values in ({}, {"mode": "dra"}, {"labelNode": True}):
         for path, text in render(chart, values).items():
-            for obj in [] if path.endswith("NOTES.txt") else yaml.safe_load_all(text):
-                if obj:
-                    kinds.setdefault(path.rsplit("/", 1)[-1], set()).add(obj["kind"])
-    assert all(len(found) == 1 for found in kinds.values()), kinds
-    assert {name: found.pop() for name, found in kinds.items()} == {
-        "configmap.yaml": "ConfigMap", "serviceaccount.yaml": "ServiceAccount", "clusterrole.yaml": "ClusterRole",
-        "clusterrolebinding.yaml": "ClusterRoleBinding", "deviceclasses.yaml": "DeviceClass",
-        "daemonset.yaml": "DaemonSet"}
+            if path.endswith("NOTES.txt"):
+                continue
+            found = [obj for obj in yaml.safe_load_all(text) if obj]
+            assert len(found) <= 1, f"{path}: {len(found)} objects"
+            for obj in found:
+                kinds.setdefault(path.rsplit("/", 1)[-1], set()).add(obj["kind"])
+    assert all(len(each) == 1 for each in kinds.values()), kinds
+    for name, each in kinds.items():
+        assert name.split("-")[0].removesuffix(".yaml") == each.pop().lower(), name
+    assert len(kinds) == 12
     for template in (CHART / "templates").iterdir():
         assert "Rendered by" not in template.read_text(), f"{template.name} is generated"
 

@@ -118,6 +118,46 @@ sharing:
         replicas: {{ .Values.replicas | default 4 }}
 {{- end }}
 
+{{/* The DRA driver's name, which its DeviceClasses select by, and the CEL of its devices' attributes. */}}
+{{- define "gpuppetti.driver" -}}gpu.gpuppetti.dev{{- end }}
+{{- define "gpuppetti.ours" -}}device.driver == '{{ include "gpuppetti.driver" . }}'{{- end }}
+{{- define "gpuppetti.attributes" -}}device.attributes['{{ include "gpuppetti.driver" . }}']{{- end }}
+
+{{/* A DeviceClass of the DRA driver (mode: dra only). Takes a dict: root (the chart's context), name, expression
+(CEL), and resource: the extended resource a pod may ask for in its limits to be served by DRA where no device plugin
+advertises it (DRAExtendedResource), or none. */}}
+{{- define "gpuppetti.deviceClass" -}}
+{{- if eq (include "gpuppetti.mode" .root) "dra" }}
+apiVersion: resource.k8s.io/v1
+kind: DeviceClass
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "gpuppetti.labels" .root | nindent 4 }}
+spec:
+  selectors:
+    - cel:
+        expression: {{ .expression | quote }}
+  {{- with .resource }}
+  extendedResourceName: {{ . }}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The whole GPUs of some vendors, as the DeviceClass named after the vendor's resource. Takes a dict: root,
+vendor (the class's name before the driver's), resource, and vendors (the values of the vendor attribute). */}}
+{{- define "gpuppetti.vendorDeviceClass" -}}
+{{- $attributes := include "gpuppetti.attributes" .root -}}
+{{- $vendors := list -}}
+{{- range .vendors -}}
+{{- $vendors = append $vendors (printf "%s.vendor == '%s'" $attributes .) -}}
+{{- end -}}
+{{- $whole := printf "(!('partitions' in %s) || %s.partitions == 1)" $attributes $attributes -}}
+{{- include "gpuppetti.deviceClass" (dict "root" .root "name" (printf "%s.%s" .vendor (include "gpuppetti.driver" .root))
+      "resource" .resource
+      "expression" (printf "%s && (%s) && %s" (include "gpuppetti.ours" .root) (join " || " $vendors) $whole)) -}}
+{{- end }}
+
 {{/* What values.schema.json cannot say: the values that do not go together, refused as `gpuppetti manifests`
 refuses the same flags, and a release namespace that is no namespace name. */}}
 {{- define "gpuppetti.validate" -}}
