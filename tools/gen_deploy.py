@@ -13,7 +13,7 @@ from gpuppetti.commands import manifests
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = "# Rendered by tools/gen_deploy.py from `gpuppetti manifests --mode {mode}`. Edit the generator, not this.\n"
-BASES = {"deviceplugin": "plugin", "dra": "dra"}
+BASES = {"plugin": "plugin", "dra": "dra"}
 
 
 def rendered() -> dict[Path, str]:

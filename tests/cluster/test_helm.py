@@ -37,12 +37,10 @@ SIMULATED = {"version": "v1", "backend": "simulated",
              "simulated": {"gpus": [{"model": "Apple M3 Max", "vendor": "apple", "cores": 40, "memory": "48Gi",
                                      "count": 2}]}}
 CONFIGS = {
-    "deviceplugin": {**SIMULATED, "sharing": {"timeSlicing": {"resources": [{"name": "apple.com/gpu",
-                                                                            "replicas": 4}]}}},
+    "plugin": {**SIMULATED, "sharing": {"timeSlicing": {"resources": [{"name": "apple.com/gpu", "replicas": 4}]}}},
     "dra": {**SIMULATED, "dra": {"slicing": "whole"}},
 }
-COMPONENTS = {"deviceplugin": "device-plugin", "dra": "dra"}
-LABELS = {"deviceplugin": "plugin", "dra": "dra"}
+COMPONENTS = {"plugin": "device-plugin", "dra": "dra"}
 
 
 def _ready_pods(node: RealNode, component: str) -> list[Any]:
@@ -83,7 +81,7 @@ def _install(node: RealNode, config: Any, image: str, mode: str) -> dict[str, An
                                              timeout=120)
     assert (release["status"], release["chart_name"]) == ("deployed", "gpuppetti")
     # NOTES.txt: the command that lets the DaemonSet run anywhere.
-    assert f"kubectl label node NODE {MODE_LABEL}={LABELS[mode]}" in release["notes"]
+    assert f"kubectl label node NODE {MODE_LABEL}={mode}" in release["notes"]
     component = COMPONENTS[mode]
     patch: dict[str, Any] = {"spec": {"template": {"spec": {"hostNetwork": True}}}}
     if mode == "dra":
@@ -140,7 +138,7 @@ def test_helm_installs_the_dra_driver_which_publishes_slices_and_uninstalls_it(
 
 def test_helm_installs_the_device_plugin_whose_gpus_are_allocatable_and_uninstalls_it(
         node: RealNode, image: str, helm_config: Any) -> None:
-    _install(node, helm_config, image, "deviceplugin")
+    _install(node, helm_config, image, "plugin")
     node.kubectl("label", "node", node.name, f"{MODE_LABEL}=plugin", "--overwrite")
     wait_for("the device plugin pod Ready", lambda: _ready_pods(node, "device-plugin"), 120)
     node.wait_allocatable("apple.com/gpu", 8)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli, run_here
+from tests.helpers import TWO_M3_MAX, PluginProcess, run_cli, run_here
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +64,7 @@ CASES = [
      "--token-file {tmp}/empty-token: is empty"),
     ("agent-token-dir", ["host-agent", "--token-file", "{tmp}"], {}, 2, "is a directory"),
     ("agent-namespace", ["host-agent", "--namespace", "Bad_NS"], {}, 2, "--namespace"),
-    ("discover-from-not-a-url", ["discover", "--from", "localhost:9400"], {}, 2, "--from"),
+    ("discover-from-not-a-url", ["discover", "--from", "localhost"], {}, 2, "--from: 'localhost': expected a URL"),
     ("discover-from-nobody", ["discover", "--from", "http://127.0.0.1:1"], {}, 1, "did not answer"),
     ("manifests-dra-replicas", ["manifests", "--mode", "dra", "--replicas", "4"], {}, 2,
      "--replicas is for the device plugin"),
@@ -163,3 +165,40 @@ def test_discover_from_a_server_that_is_not_gpuppetti(other_server: str) -> None
     [line] = result.stderr.strip().splitlines()
     assert line == (f"gpuppetti: {other_server} is not a gpuppetti plugin or DRA driver's HTTP endpoint (its "
                     "--http-address): /v1/gpus answered JSON that is not a list of GPUs (a JSON dict, not a list)")
+
+
+# A FIFO as the config: opened and read as a file, it blocked until a writer came, in a thread that a stop could
+# neither cancel nor leave behind: start-up hung with SIGTERM ignored, a reload blocked every later one and SIGTERM.
+
+
+async def test_a_fifo_as_the_config_is_refused_at_start(plugin_dir: Path) -> None:
+    fifo = plugin_dir.parent / "fifo.yaml"
+    os.mkfifo(fifo)
+    plugin = PluginProcess(None, plugin_dir, "--config", str(fifo))
+    try:
+        code = await plugin.wait(timeout=30)
+    finally:
+        await plugin.close()
+    assert code == 2, plugin.log()
+    assert f"{fifo}: the config must be a regular file, and this is a FIFO" in plugin.log()
+    assert "Traceback" not in plugin.log()
+
+
+async def test_a_fifo_as_the_config_is_refused_at_reload_and_sigterm_still_stops(plugin_dir: Path) -> None:
+    plugin = PluginProcess(TWO_M3_MAX, plugin_dir)
+    try:
+        await plugin.wait_for_log("found 2 GPU(s)")
+        assert plugin.config_path is not None
+        plugin.config_path.unlink()
+        os.mkfifo(plugin.config_path)
+        plugin.send(signal.SIGHUP)
+        await plugin.wait_for_log("this is a FIFO")
+        assert "keeping the previous config" in plugin.log()
+        # The next reload is not held up by the last one.
+        plugin.config_path.unlink()
+        plugin.write_config(TWO_M3_MAX)
+        plugin.send(signal.SIGHUP)
+        await plugin.wait_for_log("config reloaded")
+        assert await plugin.stop(signal.SIGTERM, timeout=15) == 0
+    finally:
+        await plugin.close()

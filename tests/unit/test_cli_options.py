@@ -74,3 +74,56 @@ def test_help_fits_80_columns(monkeypatch: pytest.MonkeyPatch, command: str) -> 
     parser = build_parser()
     text = (parser.commands[command] if command else parser).format_help()
     assert max(len(line) for line in text.splitlines()) <= 80, text
+
+
+# -- a value ending in a newline: Python's `$` matched before it, and every one of these took it ---------------------
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["manifests", "--node-selector", "pool=gpu\n"], "--node-selector"),
+    (["manifests", "--node-selector", "pool\n=gpu"], "--node-selector"),
+    (["manifests", "--toleration", "dedicated\n:NoSchedule"], "--toleration"),
+    (["manifests", "--toleration", "dedicated=gpu\n"], "--toleration"),
+    (["manifests", "--image", "registry.example/gpuppetti:0.1.0\n"], "--image"),
+    (["manifests", "--namespace", "gpus\n"], "--namespace"),
+    (["host-agent", "--namespace", "gpus\n"], "--namespace"),
+    (["dra", "--node-name", "node-1\n"], "--node-name"),
+    (["manifests", "--requests", "cpu=50m\n"], "--requests"),
+    (["manifests", "--limits", "memory= 128Mi"], "--limits"),
+])
+def test_a_value_with_a_trailing_newline_is_refused(args: list[str], flag: str) -> None:
+    with pytest.raises(UsageError, match=f"argument {flag}"):
+        parse(args, {})
+
+
+@pytest.mark.parametrize("directory", ["/var/lib/gpuppetti\n", "/var/lib/\tgpuppetti", "/var/lib/../../etc",
+                                       "relative/dir", "./vulkan"])
+@pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"], ["doctor"], ["manifests"]])
+def test_the_vulkan_layer_dir_is_one_absolute_host_path_for_every_command(command: list[str], directory: str) -> None:
+    with pytest.raises(UsageError, match="--vulkan-layer-dir"):
+        parse([*command, "--vulkan-layer-dir", directory], {})
+
+
+def test_the_vulkan_layer_dir_from_the_environment_is_checked_the_same_way() -> None:
+    with pytest.raises(UsageError, match="GPUPPETTI_VULKAN_LAYER_DIR='relative/dir': must be an absolute path"):
+        parse(["plugin"], {"GPUPPETTI_VULKAN_LAYER_DIR": "relative/dir"})
+    assert parse(["plugin"], {"GPUPPETTI_VULKAN_LAYER_DIR": ""}).vulkan_layer_dir is None
+    assert parse(["manifests", "--vulkan-layer-dir", ""], {}).vulkan_layer_dir is None
+    for command in (["plugin"], ["manifests"]):
+        assert parse([*command, "--vulkan-layer-dir", "/opt/vk"], {}).vulkan_layer_dir == Path("/opt/vk")
+
+
+@pytest.mark.parametrize(("args", "dest"), [(["discover", "--from"], "from"), (["top", "--from"], "from"),
+                                            (["doctor", "--daemon"], "daemon")])
+def test_every_command_that_asks_a_daemon_takes_its_address_alike(args: list[str], dest: str) -> None:
+    for given, url in ((":9414", "http://127.0.0.1:9414"), ("10.0.0.7:9400", "http://10.0.0.7:9400"),
+                       ("http://[::1]:9400", "http://[::1]:9400")):
+        assert getattr(parse([*args, given], {}), dest) == url
+    with pytest.raises(UsageError, match="expected a URL"):
+        parse([*args, "localhost"], {})
+
+
+def test_doctor_takes_the_old_mode_deviceplugin_as_plugin(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["doctor"], {"GPUPPETTI_MODE": "deviceplugin"}).mode == "plugin"
+    assert "old spelling of 'plugin'" in capsys.readouterr().err
+    assert parse(["doctor", "--mode", "plugin"], {}).mode == "plugin"
+    assert capsys.readouterr().err == ""

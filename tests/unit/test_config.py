@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from gpuppetti.core.config import ConfigError, load_config, parse_config, resource_name_problem
+from gpuppetti.core.config import MAX_CONFIG_BYTES, ConfigError, load_config, parse_config, resource_name_problem
 from tests.helpers import TWO_M3_MAX, config_from
 
 ISSUE_EXAMPLE = """\
@@ -141,3 +145,92 @@ def test_no_config_means_defaults() -> None:
 )
 def test_resource_names(name: str, ok: bool) -> None:
     assert (resource_name_problem(name) is None) is ok
+
+
+# A few hundred bytes whose aliases expand to 9**7 (4.8 million) strings where a backend's name should be: before
+# the loader counted expansions, pydantic's complaint echoed all of them (hundreds of MiB, one line tens of MB).
+ALIAS_BOMB = """\
+version: v1
+x-a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+x-b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+x-c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+x-d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+x-e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+x-f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+x-g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+backend: *g
+"""
+
+
+def test_an_alias_bomb_is_refused_in_one_line_with_bounded_memory(tmp_path: Path) -> None:
+    assert len(ALIAS_BOMB) < 400
+    (tmp_path / "bomb.yaml").write_text(ALIAS_BOMB)
+    # Its own process, so that its peak resident memory is the parse's: after the imports, and at the end.
+    script = (
+        "import resource, sys\n"
+        "from gpuppetti.core.config import ConfigError, load_config\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n"
+        "    load_config(sys.argv[1])\n"
+        "except ConfigError as exc:\n"
+        "    print(str(exc))\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "bomb.yaml")], capture_output=True,
+                            text=True, timeout=120, check=True)
+    *message, grown_mib = result.stdout.splitlines()
+    assert len(message) == 1 and "aliases" in message[0] and "bomb.yaml" in message[0], message
+    assert int(grown_mib) < 20
+
+
+def test_a_few_aliases_are_fine() -> None:
+    config = parse_config("version: v1\nsimulated:\n  gpus:\n    - &m3 {model: M3, vendor: apple, cores: 10}\n"
+                          "    - *m3\n", "aliases.yaml")
+    assert [gpu.model for gpu in config.simulated.gpus] == ["M3", "M3"]
+
+
+def test_a_recursive_alias_is_refused() -> None:
+    with pytest.raises(ConfigError, match="aliases"):
+        parse_config("version: v1\nbackend: &loop [*loop]\n", "loop.yaml")
+
+
+def test_an_error_echoes_a_bounded_part_of_the_input() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"version: v1\nbackend: [{', '.join(['x' * 1000] * 1000)}]\n", "long.yaml")
+    [line] = str(caught.value).splitlines()
+    assert line.startswith("long.yaml: backend: ") and "(got [" in line
+    assert len(line) < 400
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    outcome: list[ConfigError | None] = []
+
+    def load() -> None:
+        try:
+            load_config(fifo)
+            outcome.append(None)
+        except ConfigError as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():
+        # Let the blocked reader go: a writer opens, and closes at once.
+        os.close(os.open(fifo, os.O_WRONLY))
+        reader.join(timeout=10)
+        pytest.fail("reading a FIFO blocked until a writer came")
+    [error] = outcome
+    assert isinstance(error, ConfigError)
+    assert str(error) == f"{fifo}: the config must be a regular file, and this is a FIFO"
+
+
+def test_a_directory_and_a_file_too_large_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="must be a regular file, and this is a directory"):
+        load_config(tmp_path)
+    large = tmp_path / "large.yaml"
+    large.write_text("version: v1\n" + "#" * MAX_CONFIG_BYTES + "\n")
+    with pytest.raises(ConfigError, match="larger than 1,048,576 bytes"):
+        load_config(large)

@@ -186,7 +186,7 @@ def test_the_helm_labels_are_only_on_the_objects(chart: Any) -> None:
 
 
 @pytest.mark.parametrize("values", [{}, {"mode": "dra"}, {"labelNode": True, "config": SIMULATED}],
-                         ids=["deviceplugin", "dra", "label-node-config"])
+                         ids=["plugin", "dra", "label-node-config"])
 def test_helm_lint_passes(values: dict[str, Any]) -> None:
     if helm_python is None:
         pytest.skip(WHY_NO_HELM)
@@ -197,8 +197,8 @@ def test_helm_lint_passes(values: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"mode": "bogus"}, "at '/mode': value must be one of 'deviceplugin', 'dra'"),
-    ({"mode": "plugin"}, "at '/mode': value must be one of 'deviceplugin', 'dra'"),
+    ({"mode": "bogus"}, "at '/mode': value must be one of 'plugin', 'dra', 'deviceplugin'"),
+    ({"mode": "both"}, "at '/mode': value must be one of 'plugin', 'dra', 'deviceplugin'"),
     ({"nodeSelectors": {"a": "b"}}, "additional properties 'nodeSelectors' not allowed"),
     ({"image": {"repository": "x", "tag": "has space"}}, "at '/image/tag'"),
     ({"image": {"repository": "x", "tag": "dev", "pullPolicy": "always"}}, "at '/image/pullPolicy': value must be"),
@@ -218,9 +218,55 @@ def test_a_bad_value_fails_naming_it(chart: Any, values: dict[str, Any], message
     assert message in str(failure.value)
 
 
+# What the chart rendered and the API server then refused: each is refused by the values' schema, naming it.
+@pytest.mark.parametrize(("values", "says"), [
+    # A key is named by the schema's library as a property name, at the root.
+    ({"nodeSelector": {"pool\nx": "gpu"}}, "invalid propertyName 'pool"),
+    ({"nodeSelector": {"-pool": "gpu"}}, "invalid propertyName '-pool'"),
+    ({"nodeSelector": {"Example.com/pool": "gpu"}}, "invalid propertyName 'Example.com/pool'"),
+    ({"nodeSelector": {"pool": "gpu\n"}}, "at '/nodeSelector/pool'"),
+    ({"nodeSelector": {"pool": "a" * 64}}, "at '/nodeSelector/pool'"),
+    ({"tolerations": [{"key": "bad key", "operator": "Exists"}]}, "at '/tolerations/0/key'"),
+    ({"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu\n"}]}, "at '/tolerations/0/value'"),
+    ({"tolerations": [{"key": "dedicated", "effect": "NoScheduling"}]}, "at '/tolerations/0/effect'"),
+    ({"tolerations": [{"operator": "Equal", "value": "gpu"}]}, "at '/tolerations/0'"),
+    ({"tolerations": [{"key": "dedicated", "operator": "Exists", "value": "gpu"}]}, "at '/tolerations/0'"),
+    ({"tolerations": [{"key": "dedicated", "effect": "NoSchedule", "tolerationSeconds": 30}]}, "at '/tolerations/0'"),
+    ({"resources": {"requests": {"cpu": "50 m"}}}, "at '/resources/requests/cpu'"),
+    ({"resources": {"limits": {"memory": "128MB"}}}, "at '/resources/limits/memory'"),
+    ({"resources": {"limits": {"memory": "-128Mi"}}}, "at '/resources/limits/memory'"),
+    ({"resources": {"limits": {"memory": "128Mi\n"}}}, "at '/resources/limits/memory'"),
+    ({"resources": {"limits": {"cpu": -1}}}, "at '/resources/limits/cpu'"),
+    ({"vulkanLayerDir": "/var/lib/gpuppetti\n"}, "at '/vulkanLayerDir'"),
+    ({"vulkanLayerDir": "/var/lib/../../etc"}, "at '/vulkanLayerDir'"),
+])
+def test_what_the_api_server_would_refuse_fails_the_schema(chart: Any, values: dict[str, Any], says: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError) as failure:
+        render(chart, values)
+    assert says in str(failure.value)
+
+
+@pytest.mark.parametrize("values", [
+    {"nodeSelector": {"kubernetes.io/arch": "amd64", "example.com/pool": "", "a_b.c": "A-1"}},
+    {"tolerations": [{"operator": "Exists"}, {"key": "k", "operator": "Exists", "effect": "NoExecute",
+                                              "tolerationSeconds": 60}]},
+    {"resources": {"requests": {"cpu": "0.5", "memory": "1e9"}, "limits": {"cpu": 2, "memory": "+1.5Gi"}}},
+])
+def test_what_the_api_server_takes_passes_the_schema(chart: Any, values: dict[str, Any]) -> None:
+    render(chart, values)
+
+
+def test_a_namespace_that_is_no_namespace_name_fails_and_injects_nothing(chart: Any) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match="is not a namespace name"):
+        render(chart, {}, namespace="gpuppetti\n  injected: true")
+    # Quoted wherever it is written, besides.
+    for template in (CHART / "templates").glob("*.yaml"):
+        assert "{{ .Release.Namespace }}" not in template.read_text(), template.name
+
+
 @pytest.mark.parametrize(("values", "message"), [
-    ({"mode": "dra", "replicas": 4}, "replicas is for the device plugin (mode: deviceplugin)"),
-    ({"mode": "dra", "labelNode": True}, "labelNode is for the device plugin (mode: deviceplugin)"),
+    ({"mode": "dra", "replicas": 4}, "replicas is for the device plugin (mode: plugin)"),
+    ({"mode": "dra", "labelNode": True}, "labelNode is for the device plugin (mode: plugin)"),
     ({"config": SIMULATED, "replicas": 4}, "replicas applies to the generated config; set the replicas in config"),
     ({"config": SIMULATED, "preset": "minikube-krunkit"}, "config and preset are two configs: give one of them"),
 ])
@@ -270,6 +316,47 @@ def test_notes_with_a_preset_label_nothing(chart: Any) -> None:
     notes = render(chart, {"preset": "minikube-krunkit"})[f"{RELEASE}/templates/NOTES.txt"]
     assert "kubectl label" not in notes
     assert "runs on every node" in notes
+    # No "Then": there is nothing before it to do.
+    assert not any(line.startswith("Then") for line in notes.splitlines()), notes
+
+
+# -- one spelling of the mode: plugin, as `gpuppetti manifests --mode` and the node label spell it -----------------
+
+def test_the_default_mode_is_plugin() -> None:
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["mode"] == "plugin"
+
+
+def test_the_old_spelling_deviceplugin_renders_plugin_and_says_so(chart: Any) -> None:
+    old = render(chart, {"mode": "deviceplugin", "labelNode": True})
+    new = render(chart, {"mode": "plugin", "labelNode": True})
+    notes = old.pop(f"{RELEASE}/templates/NOTES.txt")
+    assert notes.startswith("mode: deviceplugin is the chart's old spelling of mode: plugin")
+    assert "kubectl label node NODE gpuppetti.dev/mode=plugin" in notes
+    new_notes = new.pop(f"{RELEASE}/templates/NOTES.txt")
+    assert "deviceplugin" not in new_notes
+    assert objects(old) == objects(new)
+
+
+# -- a chart a Helm user can read ---------------------------------------------------------------------------------
+
+def test_each_template_holds_one_object(chart: Any) -> None:
+    """One object per file, named for its kind, as other device plugins' charts have them; each a Helm template
+    rather than a generated blob."""
+    kinds: dict[str, set[str]] = {}
+    for values in ({}, {"mode": "dra"}, {"labelNode": True}):
+        for path, text in render(chart, values).items():
+            if path.endswith("NOTES.txt"):
+                continue
+            found = [obj for obj in yaml.safe_load_all(text) if obj]
+            assert len(found) <= 1, f"{path}: {len(found)} objects"
+            for obj in found:
+                kinds.setdefault(path.rsplit("/", 1)[-1], set()).add(obj["kind"])
+    assert all(len(each) == 1 for each in kinds.values()), kinds
+    for name, each in kinds.items():
+        assert name.split("-")[0].removesuffix(".yaml") == each.pop().lower(), name
+    assert len(kinds) == 12
+    for template in (CHART / "templates").iterdir():
+        assert "Rendered by" not in template.read_text(), f"{template.name} is generated"
 
 
 def test_chart_version_is_the_packages() -> None:

@@ -69,6 +69,8 @@ def test_kustomize_renders_and_every_object_validates(directory: Path) -> None:
 
 @kubectl
 @pytest.mark.parametrize(("directory", "args"), [
+    ("base/plugin", ["--mode", "plugin"]),
+    # The old name of base/plugin, kept for kustomizations that point at it.
     ("base/deviceplugin", ["--mode", "plugin"]),
     ("base/dra", ["--mode", "dra"]),
     ("overlays/minikube-krunkit", ["--mode", "plugin", "--preset", "minikube-krunkit"]),
@@ -241,3 +243,13 @@ def test_a_time_slice_interval_is_refused_not_ignored() -> None:
                   "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}
     with pytest.raises(opaque.OpaqueConfigError, match=r"sharing.timeSlicing: unknown key"):
         opaque.decode(parameters, "config[0]")
+
+
+def test_the_old_mode_deviceplugin_renders_plugin_with_a_warning() -> None:
+    old, new = run_here("manifests", "--mode", "deviceplugin"), run_here("manifests", "--mode", "plugin")
+    assert (old.returncode, old.stdout) == (0, new.stdout)
+    warning, *rest = old.stderr.splitlines()
+    assert warning == ("gpuppetti: warning: mode 'deviceplugin' is the old spelling of 'plugin', which it means; "
+                       "write plugin")
+    assert rest == new.stderr.splitlines()
+    assert "deviceplugin" not in new.stderr

@@ -33,7 +33,7 @@ _MAX_EXPONENT = 100
 
 def parse_quantity(text: str) -> Fraction:
     """A Kubernetes quantity ("48Gi", "500m", "2.5", "8e9", "+4Gi", ".5") as an exact number. Raises ValueError."""
-    match = _QUANTITY.match(text.strip())
+    match = _QUANTITY.fullmatch(text.strip())
     if match is None:
         allowed = ", ".join(s for s in _SUFFIXES if s)
         raise ValueError(f"expected a quantity such as 48Gi (suffixes: m, {allowed}, or an exponent e3), got {text!r}")
@@ -110,6 +110,6 @@ def parse_duration(value: object) -> float:
         if value < 0:
             raise ValueError(f"must not be negative, got {value}")
         return float(value)
-    if isinstance(value, str) and (match := _DURATION.match(value)):
+    if isinstance(value, str) and (match := _DURATION.fullmatch(value)):
         return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     raise ValueError(f"expected a duration such as 500ms, 5s or 2m (or a number of seconds), got {value!r}")

@@ -5,6 +5,7 @@ The config file and the DRA driver's opaque GpuConfig both use it, so a mistake 
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -17,6 +18,24 @@ class Strict(BaseModel):
     model_config = ConfigDict(
         extra="forbid", strict=True, frozen=True, alias_generator=to_camel, populate_by_name=False
     )
+
+
+# What an error may echo of the input: a few items of a few levels, a string's first characters. An input can be
+# anything a file held, an alias bomb's expansion included, and a message is one log line.
+# (Repr takes its limits as attributes: Python 3.11's takes no arguments.)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 2
+_SHORT.maxtuple = _SHORT.maxlist = _SHORT.maxarray = _SHORT.maxdict = 4
+_SHORT.maxset = _SHORT.maxfrozenset = _SHORT.maxdeque = 4
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlong = 40
+SHOWN_CHARS = 200
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, cut to at most SHOWN_CHARS characters whatever ``value`` holds."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 3]}..."
 
 
 def key_path(loc: tuple[int | str, ...]) -> str:
@@ -41,7 +60,7 @@ def describe(error: Any) -> str:
         return "required key is missing"
     message = str(error["msg"]).removeprefix("Value error, ")
     if kind not in ("value_error", "assertion_error"):
-        message = f"{message[0].lower()}{message[1:]} (got {error['input']!r})"
+        message = f"{message[0].lower()}{message[1:]} (got {shown(error['input'])})"
     return message
 
 

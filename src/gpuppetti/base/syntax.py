@@ -1,5 +1,9 @@
 """What well-formed Kubernetes names, URLs and image references look like: one definition for the config, the
-command line and the DRA driver."""
+command line and the DRA driver.
+
+Every pattern is tried with ``fullmatch``: Python's ``$`` also matches before a final newline, so ``match`` took
+``"gpu\\n"`` for a namespace. (The patterns keep their ``^...$``, which pydantic's and JSON Schema's engines read as
+the whole text.)"""
 
 from __future__ import annotations
 
@@ -21,14 +25,14 @@ _IMAGE = re.compile(
 
 
 def dns_label_problem(text: str) -> str | None:
-    if DNS_LABEL.match(text):
+    if DNS_LABEL.fullmatch(text):
         return None
     return "must be a DNS label: at most 63 lower-case letters, digits and '-', starting and ending with a " \
            "letter or digit"
 
 
 def is_dns_subdomain(text: str) -> bool:
-    return len(text) <= 253 and DNS_SUBDOMAIN.match(text) is not None
+    return len(text) <= 253 and DNS_SUBDOMAIN.fullmatch(text) is not None
 
 
 def dns_subdomain_problem(text: str) -> str | None:
@@ -53,7 +57,7 @@ def http_url_problem(text: str) -> str | None:
     return None
 
 
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def label_key_problem(text: str) -> str | None:
@@ -61,14 +65,14 @@ def label_key_problem(text: str) -> str | None:
     prefix, _, name = text.rpartition("/")
     if prefix and not is_dns_subdomain(prefix):
         return f"its prefix {prefix!r} must be a DNS subdomain"
-    if not _LABEL_NAME.match(name):
+    if not LABEL_NAME.fullmatch(name):
         return "is not a label key: at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter " \
                "or digit, after an optional DNS-subdomain prefix and '/'"
     return None
 
 
 def label_value_problem(text: str) -> str | None:
-    if text and not _LABEL_NAME.match(text):
+    if text and not LABEL_NAME.fullmatch(text):
         return "is not a label value: empty, or at most 63 letters, digits, '-', '_' and '.', starting and ending " \
                "with a letter or digit"
     return None
@@ -77,7 +81,20 @@ def label_value_problem(text: str) -> str | None:
 def image_problem(text: str) -> str | None:
     if not text:
         return "must not be empty"
-    if _IMAGE.match(text) is None:
+    if _IMAGE.fullmatch(text) is None:
         return "is not an image reference such as registry.example/gpuppetti:0.1.0 (lower-case path, optional " \
                ":tag and @digest)"
+    return None
+
+
+def host_path_problem(text: str) -> str | None:
+    """Why ``text`` is not an absolute path a hostPath volume takes (as the API server checks it: no '..' part),
+    nor one that goes into a manifest and the layer's environment as it is (no control characters); None when it
+    is."""
+    if not text.startswith("/"):
+        return "must be an absolute path on the node"
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in text):
+        return "must not hold control characters (a newline, a tab)"
+    if ".." in text.split("/"):
+        return "must not have a '..' part"
     return None

@@ -91,7 +91,7 @@ class Parser(argparse.ArgumentParser):
         return None
 
     def error(self, message: str, hint: str | None = None) -> NoReturn:
-        choice = _INVALID_CHOICE.match(message)
+        choice = _INVALID_CHOICE.fullmatch(message)
         if choice and hint is None:
             wanted, options = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
             match = difflib.get_close_matches(wanted, options, n=1, cutoff=0.6)

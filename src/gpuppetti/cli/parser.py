@@ -58,7 +58,7 @@ def _resources(kind: str) -> str:
 
 
 def _vulkan_layer_dir(parser: Parser) -> None:
-    option(parser, "--vulkan-layer-dir", env="GPUPPETTI_VULKAN_LAYER_DIR", convert=values.optional_path,
+    option(parser, "--vulkan-layer-dir", env="GPUPPETTI_VULKAN_LAYER_DIR", convert=values.host_directory,
            default=DEFAULT_VULKAN_LAYER_DIR, metavar="DIR",
            help="where the Vulkan layer that enforces slices is installed, and each allocation's accounting kept; "
            "containers mount it; '' turns enforcement off", empty_is_value=True)
@@ -157,9 +157,10 @@ def build_parser() -> Parser:
     _config(discover, "built-in defaults")
     _discovery(discover)
     discover.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    option(discover, "--from", convert=values.http_url, metavar="URL",
+    option(discover, "--from", convert=values.daemon_address, metavar="ADDRESS",
            help="show what a running plugin or DRA driver serves instead of discovering here, from its HTTP "
-           "endpoint (e.g. http://127.0.0.1:9400): its GPUs' health and whether their facts are stale")
+           "endpoint, as a URL or as its --http-address (:9400 means this machine): its GPUs' health and whether "
+           "their facts are stale")
     _log_level(discover, "warning")
 
     top = command(
@@ -202,7 +203,7 @@ def build_parser() -> Parser:
            shown_default="none: the usual sockets only",
            help="containerd's socket, as ctr takes it; without --runtime-endpoint it is looked at first (under "
            "--host-root too), before the usual sockets")
-    option(doctor, "--mode", env="GPUPPETTI_MODE", convert=values.choice("plugin", "dra", "both"), default="both",
+    option(doctor, "--mode", env="GPUPPETTI_MODE", convert=values.mode("plugin", "dra", "both"), default="both",
            metavar="MODE", help="what this node runs: plugin, dra or both; the other's kubelet directory is not "
            "checked (the DaemonSets set it in their pods)")
     option(doctor, "--daemon", env="GPUPPETTI_HTTP_ADDRESS", convert=values.daemon_address, metavar="ADDRESS",
@@ -218,7 +219,7 @@ def build_parser() -> Parser:
         "the nodes labelled gpuppetti.dev/mode=<mode> (every node with --preset minikube-krunkit); the labelling "
         "command goes to stderr. The same objects as `kubectl kustomize deploy/base/<mode>` and the overlays.",
     )
-    manifests.add_argument("--mode", type=values.choice("plugin", "dra"), default="plugin", metavar="MODE",
+    manifests.add_argument("--mode", type=values.mode("plugin", "dra"), default="plugin", metavar="MODE",
                            help="plugin (the device plugin) or dra (the DRA driver) (default plugin)")
     option(manifests, "--replicas", convert=values.count(1, 1024), metavar="N", shown_default="no time-slicing",
            help="device plugin: time-slice every GPU into N replicas, under every vendor's default resource name")
@@ -243,7 +244,7 @@ def build_parser() -> Parser:
     option(manifests, "--limits", convert=values.resource_list, metavar="cpu=Q,memory=Q",
            default=values.UNGIVEN, shown_default=_resources("limits"),
            help="what the daemon's container is held to, merged into the default; none for no limit")
-    option(manifests, "--vulkan-layer-dir", convert=values.host_directory, default=str(DEFAULT_VULKAN_LAYER_DIR),
+    option(manifests, "--vulkan-layer-dir", convert=values.host_directory, default=DEFAULT_VULKAN_LAYER_DIR,
            metavar="DIR",
            help="where the daemon installs the Vulkan layer on each node (a hostPath); '' turns enforcement off")
     source = manifests.add_mutually_exclusive_group()

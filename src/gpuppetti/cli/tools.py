@@ -146,7 +146,7 @@ def manifests(args: argparse.Namespace) -> int:
         label_node=args.label_node,
         node_selector=args.preset is None,
         extra_node_selector=dict(args.node_selector),
-        vulkan_layer_dir=args.vulkan_layer_dir,
+        vulkan_layer_dir=str(args.vulkan_layer_dir or ""),
         resources=resources,
         **({"tolerations": args.toleration} if args.toleration else {}),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from gpuppetti.base.quantity import parse_quantity
 from gpuppetti.base.syntax import (
     dns_label_problem,
     dns_subdomain_problem,
+    host_path_problem,
     http_url_problem,
     image_problem,
     label_key_problem,
@@ -32,6 +34,26 @@ def choice(*allowed: str) -> Callable[[str], str]:
         return text
 
     convert.__name__ = "choice"
+    return convert
+
+
+# The Helm chart's first spelling of the device plugin's mode, which still means it.
+OLD_PLUGIN_MODE = "deviceplugin"
+
+
+def mode(*allowed: str) -> Callable[[str], str]:
+    """A mode, spelled as the node label gpuppetti.dev/mode spells it (plugin, dra); the old spelling deviceplugin
+    still means plugin, and says so on a line of its own."""
+    plain = choice(*allowed)
+
+    def convert(text: str) -> str:
+        if text == OLD_PLUGIN_MODE and "plugin" in allowed:
+            print(f"gpuppetti: warning: mode {OLD_PLUGIN_MODE!r} is the old spelling of 'plugin', which it means; "
+                  "write plugin", file=sys.stderr)
+            return "plugin"
+        return plain(text)
+
+    convert.__name__ = "mode"
     return convert
 
 
@@ -82,7 +104,7 @@ def _address(text: str) -> None:
 
 def daemon_address(text: str) -> str:
     """Where a daemon serves HTTP, as a URL, or as its --http-address (HOST:PORT; no host means this machine).
-    Returns the URL."""
+    Returns the URL. Every command that asks a daemon (discover --from, top --from, doctor --daemon) takes this."""
     if "://" in text:
         return http_url(text)
     try:
@@ -112,11 +134,6 @@ def directory(text: str) -> Path:
 def path(text: str) -> Path:
     """A path the command may create (a socket directory): it must not be empty."""
     return _path(text)
-
-
-def optional_path(text: str) -> Path | None:
-    """A path, or '' for none (a feature turned off)."""
-    return Path(text) if text else None
 
 
 def _path(text: str) -> Path:
@@ -205,7 +222,8 @@ def resource_list(text: str) -> dict[str, str] | None:
     found: dict[str, str] = {}
     for item in text.split(","):
         name, equals, quantity = item.partition("=")
-        if not equals or name not in ("cpu", "memory"):
+        # parse_quantity forgives the spaces around a config's value; a manifest would carry them to the API server.
+        if not equals or name not in ("cpu", "memory") or quantity != quantity.strip():
             raise Bad("expected cpu=QUANTITY and/or memory=QUANTITY, comma-separated (cpu=50m,memory=128Mi), or none")
         try:
             if parse_quantity(quantity) <= 0:
@@ -216,8 +234,11 @@ def resource_list(text: str) -> dict[str, str] | None:
     return found
 
 
-def host_directory(text: str) -> str:
-    """An absolute directory on the node, as a hostPath takes it; empty for none."""
-    if text and not text.startswith("/"):
-        raise Bad("must be an absolute path on the node, or '' for none")
-    return text
+def host_directory(text: str) -> Path | None:
+    """An absolute directory on the node, as a hostPath takes it (the Vulkan layer's, which containers mount);
+    '' for none. The same for the daemons that install there and for the manifests that mount it."""
+    if not text:
+        return None
+    if (problem := host_path_problem(text)) is not None:
+        raise Bad(f"{problem}, or '' for none")
+    return Path(text)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,12 +19,20 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator, m
 
 from gpuppetti.base.nodepaths import DEFAULT_HOST_AGENT_TOKEN_FILE
 from gpuppetti.base.quantity import parse_bytes, parse_duration
-from gpuppetti.base.strict import Strict, problems
+from gpuppetti.base.strict import Strict, problems, shown
 from gpuppetti.base.syntax import DNS_SUBDOMAIN, http_url_problem
 from gpuppetti.core.model import DEFAULT_RESOURCE_NAMES, FALLBACK_RESOURCE_NAME, Health, Vendor
 
 CONFIG_ENV = "GPUPPETTI_CONFIG"
 SUPPORTED_VERSIONS = ("v1",)
+# A ConfigMap holds at most 1 MiB; a config is a few hundred bytes.
+MAX_CONFIG_BYTES = 1 << 20
+# A regular file is read in milliseconds; one on a filesystem that stalls must not hold a reload for ever.
+READ_DEADLINE_S = 10.0
+# How many values YAML's aliases may add to a config by repeating what an anchor holds. A config repeats a few
+# entries at most; an alias bomb (anchors of lists of aliases of anchors...) expands a few hundred bytes into
+# billions of values, and every one of them would be validated and echoed into the error.
+MAX_ALIAS_EXPANSION = 10_000
 
 
 class ConfigError(Exception):
@@ -44,16 +54,16 @@ _RESOURCE_NAME = re.compile(
 
 def resource_name_problem(name: str) -> str | None:
     """Why the kubelet would reject ``name`` as an extended resource name, or None if it is fine."""
-    match = _RESOURCE_NAME.match(name)
+    match = _RESOURCE_NAME.fullmatch(name)
     if not match:
-        return f"{name!r} is not an extended resource name of the form 'vendor.example.com/name'"
+        return f"{shown(name)} is not an extended resource name of the form 'vendor.example.com/name'"
     domain = match.group("domain")
     if domain == "kubernetes.io" or domain.endswith(".kubernetes.io"):
-        return f"{name!r} uses the reserved kubernetes.io domain"
+        return f"{shown(name)} uses the reserved kubernetes.io domain"
     if name.startswith("requests."):
-        return f"{name!r} must not start with 'requests.'"
+        return f"{shown(name)} must not start with 'requests.'"
     if len(match.group("name")) > 63:
-        return f"{name!r}: the part after '/' is longer than 63 characters"
+        return f"{shown(name)}: the part after '/' is longer than 63 characters"
     return None
 
 
@@ -134,7 +144,7 @@ def _check_served_name(value: object) -> object:
         known = ", ".join(SERVED_RESOURCE_NAMES)
         close = difflib.get_close_matches(value, SERVED_RESOURCE_NAMES, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
-        raise ValueError(f"{value!r} is not a resource any GPU is offered under; {hint}each GPU's is its vendor's "
+        raise ValueError(f"{shown(value)} is not a resource any GPU is offered under; {hint}each GPU's is its vendor's "
                          f"({known}); 'rename' gives it another")
     return value
 
@@ -171,7 +181,7 @@ class TimeSlicing(Strict):
             if entry.devices is None:
                 if entry.name in seen:
                     raise ValueError(
-                        f"resource {entry.name!r} is listed twice without 'devices'; give each entry "
+                        f"resource {shown(entry.name)} is listed twice without 'devices'; give each entry "
                         "its own 'devices' to set per-GPU replica counts"
                     )
                 seen.add(entry.name)
@@ -267,7 +277,7 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
+                None, None, f"duplicate key {shown(key)}", key_node.start_mark
             )
         seen.add(key)
     mapping: dict[Any, Any] = loader.construct_mapping(node, deep=deep)
@@ -277,10 +287,52 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: b
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+class _AliasBomb(Exception):
+    pass
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a document whose aliases repeat more than MAX_ALIAS_EXPANSION values. An alias is the very node its
+    anchor names, so each value met again on the walk is one that an alias repeats; the walk stops at the bound,
+    which also ends a recursive alias (an anchor that contains itself)."""
+    seen: set[int] = set()
+    repeated = 0
+    stack: list[yaml.Node] = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            repeated += 1
+            if repeated > MAX_ALIAS_EXPANSION:
+                raise _AliasBomb
+        else:
+            seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                stack.append(key)
+                stack.append(value)
+
+
+def _load_yaml(text: str) -> Any:
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def parse_config(text: str, source: str) -> Config:
     """Parse and validate config text. Raises ConfigError naming ``source``, the key path and the problem."""
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        data = _load_yaml(text)
+    except _AliasBomb:
+        raise ConfigError(source, [("", f"its aliases (*name) repeat more than {MAX_ALIAS_EXPANSION:,} values; write "
+                                        "the config out, or repeat less")]) from None
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)
@@ -294,7 +346,8 @@ def parse_config(text: str, source: str) -> Config:
         raise ConfigError(source, [("", f"expected a mapping at the top level, got {type(data).__name__}")])
     if "version" in data and data["version"] not in SUPPORTED_VERSIONS:
         supported = ", ".join(SUPPORTED_VERSIONS)
-        raise ConfigError(source, [("version", f"unsupported version {data['version']!r} (supported: {supported})")])
+        raise ConfigError(source, [("version",
+                                    f"unsupported version {shown(data['version'])} (supported: {supported})")])
     if "__source__" in data:
         raise ConfigError(source, [("__source__", "unknown key")])
     try:
@@ -309,9 +362,41 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         return default_config()
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = _read_file(Path(path), source)
     except OSError as exc:
         raise ConfigError(source, [("", f"cannot read the config file: {exc.strerror or exc}")]) from exc
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(source, [("", f"the file is not UTF-8 text: {exc}")]) from exc
     return parse_config(text, source)
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _read_file(path: Path, source: str) -> bytes:
+    """The bytes of a regular file of at most MAX_CONFIG_BYTES, read within READ_DEADLINE_S. Opened without
+    blocking and checked before it is read: a FIFO would block the open and the read until a writer came, and
+    the thread that waits could be neither cancelled nor left behind by a process asked to stop."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise ConfigError(source, [("", f"the config must be a regular file, and this is {kind}")])
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + READ_DEADLINE_S
+        while chunk := os.read(fd, 64 * 1024):
+            size += len(chunk)
+            if size > MAX_CONFIG_BYTES:
+                raise ConfigError(source, [("", f"the file is larger than {MAX_CONFIG_BYTES:,} bytes (a "
+                                                "ConfigMap's limit); a config is a few hundred")])
+            if time.monotonic() > deadline:
+                raise ConfigError(source, [("", f"reading the file took more than {READ_DEADLINE_S:.0f} seconds")])
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -66,7 +66,7 @@ def _pci_address(device: Path, uevent: dict[str, str]) -> str | None:
     real = Path(os.path.realpath(device))
     # A virtio-gpu on PCI (QEMU) hangs off a virtio device whose parent is the PCI function.
     for candidate in (real.name, real.parent.name):
-        if _BDF.match(candidate):
+        if _BDF.fullmatch(candidate):
             return candidate.lower()
     return None
 
@@ -92,7 +92,7 @@ def dmem_regions(host_root: Path) -> dict[str, tuple[str, int]] | None:
         name, _, size = line.strip().partition(" ")
         kind, _, rest = name.partition("/")
         pci, _, _ = rest.partition("/")
-        if kind != "drm" or not _BDF.match(pci) or not size.strip().isdigit():
+        if kind != "drm" or not _BDF.fullmatch(pci) or not size.strip().isdigit():
             continue
         regions.setdefault(pci.lower(), (name, int(size.strip())))
     return regions
@@ -169,7 +169,7 @@ class DrmBackend:
         cards = sorted(
             (int(match.group(1)), entry)
             for entry in self.drm_dir.iterdir()
-            if (match := _CARD.match(entry.name))
+            if (match := _CARD.fullmatch(entry.name))
         )
         database = find_database(self.host_root)
         regions = dmem_regions(self.host_root) or {}

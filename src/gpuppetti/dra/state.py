@@ -71,9 +71,9 @@ class ClaimRef:
 def claim_problem(claim: ClaimRef) -> str | None:
     """Why the kubelet's reference cannot be a real claim; None when it can."""
     # A claim UID becomes part of a file name: nothing but a UID may pass.
-    if not UID.match(claim.uid):
+    if not UID.fullmatch(claim.uid):
         return f"claim uid {claim.uid[:80]!r} is not a Kubernetes UID"
-    if not DNS_LABEL.match(claim.namespace):
+    if not DNS_LABEL.fullmatch(claim.namespace):
         return f"claim namespace {claim.namespace[:80]!r} is not a valid namespace name"
     if not is_dns_subdomain(claim.name):
         return f"claim name {claim.name[:80]!r} is not a valid object name"

@@ -297,7 +297,7 @@ class LayerDir:
         of the ``units`` it is for. ``fresh`` starts each from zero; otherwise a file that is there is kept (a
         restarted driver must not forget what running containers hold). Blocks: run it in a thread. Raises
         OSError, or ValueError for a bad id."""
-        if not _ALLOCATION_ID.match(allocation):
+        if not _ALLOCATION_ID.fullmatch(allocation):
             raise ValueError(f"not an allocation id: {allocation[:80]!r}")
         # On the device plugin's Allocate path: a few system calls, no temporary files. Nothing reads these files
         # before the container starts, which is after the answer, so no reader can see one half-written.
@@ -347,7 +347,7 @@ class LayerDir:
         go yet (a file that cannot be removed, more entries than one call takes) is logged and left for a later
         call. Never raises. Blocks: run it in a thread. A bounded directory is a mount point, which rename(2)
         refuses (EBUSY): it goes through here, not by moving it elsewhere first."""
-        if not _ALLOCATION_ID.match(allocation):
+        if not _ALLOCATION_ID.fullmatch(allocation):
             return True
         directory = os.path.join(self.allocations, allocation)
         why: str | None = None
@@ -368,7 +368,7 @@ class LayerDir:
     def usage(self, allocation: str, slices: int = MAX_SLICES_READ) -> list[SliceUse]:
         """Each slice of an allocation (the first ``slices`` where the caller knows how many), as its accounting
         files say. Blocks (a few system calls per slice)."""
-        if not _ALLOCATION_ID.match(allocation):
+        if not _ALLOCATION_ID.fullmatch(allocation):
             return []
         directory = f"{self.allocations}/{allocation}/slice-"
         uses = []
