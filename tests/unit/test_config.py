@@ -75,6 +75,19 @@ def test_errors_name_the_file_the_key_and_the_problem(text: str, key: str, what:
     assert len(message.splitlines()) == 1
 
 
+@pytest.mark.parametrize(("text", "key", "what"), [
+    ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n      - {name: apple.com/gpu, replica: 2}\n",
+     "sharing.timeSlicing.resources[0].replica", "unknown key; did you mean replicas?"),
+    ("version: v1\nsharing:\n  timeSlising: {}\n", "sharing.timeSlising", "unknown key; did you mean timeSlicing?"),
+    ("version: v1\nbackends: drm\n", "backends", "unknown key; did you mean backend?"),
+    ("version: v1\nsimulated:\n  gpus:\n    - {model: X, memroy: 8Gi}\n", "simulated.gpus[0].memroy",
+     "unknown key; did you mean memory?"),
+    ("version: v1\nzzz: 1\n", "zzz", "unknown key"),
+])
+def test_an_unknown_key_names_the_key_it_is_close_to(text: str, key: str, what: str) -> None:
+    assert _error(text).problems == [(key, what)]
+
+
 def test_every_problem_is_reported() -> None:
     error = _error("version: v1\nsimulated:\n  gpus:\n    - {model: X, count: 0, cores: -1}\n")
     assert [path for path, _ in error.problems] == ["simulated.gpus[0].cores", "simulated.gpus[0].count"]

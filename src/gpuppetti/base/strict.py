@@ -5,7 +5,9 @@ The config file and the DRA driver's opaque GpuConfig both use it, so a mistake 
 
 from __future__ import annotations
 
+import difflib
 import reprlib
+import typing
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -52,9 +54,39 @@ def key_path(loc: tuple[int | str, ...]) -> str:
     return path
 
 
-def describe(error: Any) -> str:
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models an annotation holds, through lists, dicts, unions, optionals and Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for argument in typing.get_args(annotation):
+        found += _models_in(argument)
+    return found
+
+
+def _keys_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> set[str]:
+    """The keys a mapping at ``loc`` (under ``model``) may hold, as the user writes them."""
+    models = [model]
+    for part in loc:
+        if isinstance(part, int) or not models:
+            continue
+        fields = {(field.alias or name): field for candidate in models
+                  for name, field in candidate.model_fields.items()}
+        if part in fields:
+            models = _models_in(fields[part].annotation)
+        # Else a dict's key or a union branch's name: the same models go on.
+    return {field.alias or name for candidate in models for name, field in candidate.model_fields.items()
+            if not (field.alias or name).startswith("_")}
+
+
+def describe(error: Any, model: type[BaseModel] | None = None) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
+        loc = tuple(error["loc"])
+        if model is not None and loc and isinstance(loc[-1], str):
+            close = difflib.get_close_matches(loc[-1], sorted(_keys_at(model, loc[:-1])), n=1, cutoff=0.6)
+            if close:
+                return f"unknown key; did you mean {close[0]}?"
         return "unknown key"
     if kind == "missing":
         return "required key is missing"
@@ -64,6 +96,6 @@ def describe(error: Any) -> str:
     return message
 
 
-def problems(exc: ValidationError) -> list[tuple[str, str]]:
-    """One (key path, what is wrong) per error."""
-    return [(key_path(tuple(error["loc"])), describe(error)) for error in exc.errors()]
+def problems(exc: ValidationError, model: type[BaseModel] | None = None) -> list[tuple[str, str]]:
+    """One (key path, what is wrong) per error; an unknown key of ``model`` names the key that was likely meant."""
+    return [(key_path(tuple(error["loc"])), describe(error, model)) for error in exc.errors()]

@@ -353,7 +353,7 @@ def parse_config(text: str, source: str) -> Config:
     try:
         return Config.model_validate({**data, "__source__": source})
     except ValidationError as exc:
-        raise ConfigError(source, problems(exc)) from None
+        raise ConfigError(source, problems(exc, Config)) from None
 
 
 def load_config(path: str | os.PathLike[str] | None) -> Config:

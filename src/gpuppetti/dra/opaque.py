@@ -52,7 +52,7 @@ def decode(parameters: Any, where: str) -> GpuConfig:
     try:
         return GpuConfig.model_validate(parameters)
     except ValidationError as exc:
-        found = "; ".join(f"{path}: {what}" for path, what in problems(exc))
+        found = "; ".join(f"{path}: {what}" for path, what in problems(exc, GpuConfig))
         raise OpaqueConfigError(f"{where}: invalid {KIND}: {found}") from None
 
 
