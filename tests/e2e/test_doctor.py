@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from gpuppetti.commands.doctor import vulkan, window
+from gpuppetti.commands.doctor.result import Status
 from gpuppetti.core.model import DeviceNode, Gpu, Vendor
-from gpuppetti.doctor import vulkan, window
-from gpuppetti.doctor.result import Status
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
 from tests.fixtures import FakeHost, amd_machine, virtio_vm

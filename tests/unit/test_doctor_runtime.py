@@ -11,8 +11,8 @@ import pytest
 
 from gpuppetti.base.nodepaths import CRI_SOCKETS
 from gpuppetti.cli.main import parse
-from gpuppetti.doctor.checks import _cri_candidates, runtime_checks
-from gpuppetti.doctor.result import Status
+from gpuppetti.commands.doctor.checks import _cri_candidates, runtime_checks
+from gpuppetti.commands.doctor.result import Status
 from tests.helpers import short_tmpdir
 from tests.standins.cri import CriStandIn
 

@@ -15,14 +15,14 @@ from types import ModuleType
 import pytest
 from prometheus_client import generate_latest
 
+from gpuppetti.commands.doctor.enforcement import enforcement_checks
+from gpuppetti.commands.doctor.result import Status
 from gpuppetti.core import cdi
 from gpuppetti.core.config import VirtioSection
 from gpuppetti.core.model import ContainerEdits, DriverLimit, Gpu, Hook, Mechanism, Vendor, enforced_by
 from gpuppetti.discovery.drm import DrmBackend, dmem_regions
 from gpuppetti.discovery.nvml import NvmlBackend
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.doctor.enforcement import enforcement_checks
-from gpuppetti.doctor.result import Status
 from gpuppetti.dra.slices import pool_content
 from gpuppetti.dra.state import ClaimRef, plan_claim
 from gpuppetti.node import dmem_hook

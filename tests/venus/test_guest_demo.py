@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti.doctor import window
+from gpuppetti.commands.doctor import window
 from tests.venus.venusnode import Batch
 
 MIB = 2**20

@@ -39,8 +39,8 @@ def dra(args: argparse.Namespace, runtime: Runtime) -> Coroutine[Any, Any, None]
 
 def host_agent(args: argparse.Namespace, runtime: Runtime) -> Coroutine[Any, Any, None]:
     from gpuppetti.base.webserver import parse_address
+    from gpuppetti.commands.hostagent import run_agent
     from gpuppetti.hostagent import token
-    from gpuppetti.hostagent.run import run_agent
 
     path = args.token_file or token.default_token_path()
     try:

@@ -101,7 +101,7 @@ def _discover_from(url: str, as_json: bool) -> int:
 
 
 def doctor(args: argparse.Namespace) -> int:
-    from gpuppetti.doctor import Settings, checkup, print_checkup
+    from gpuppetti.commands.doctor import Settings, checkup, print_checkup
 
     settings = Settings(
         sources=sources(args), device_plugin_dir=args.device_plugin_dir, registry_dir=args.registry_dir,

@@ -18,10 +18,10 @@ from pathlib import Path
 from gpuppetti.base.httpclient import FetchError, get
 from gpuppetti.base.nodepaths import CRI_SOCKETS, KUBELET_SOCKET
 from gpuppetti.base.quantity import format_bytes
+from gpuppetti.commands.doctor import cri
+from gpuppetti.commands.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.core.config import ConfigError
 from gpuppetti.discovery import BackendUnavailable
-from gpuppetti.doctor import cri
-from gpuppetti.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.hostagent.client import AgentError
 from gpuppetti.node.daemon import Discovered, Sources, host_agent, load_and_discover, nothing_found
 from gpuppetti.node.inventory import Inventory

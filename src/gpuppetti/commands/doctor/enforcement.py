@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from gpuppetti.commands.doctor.result import Result, ok, warn
 from gpuppetti.core.model import Gpu, Mechanism, Vendor
 from gpuppetti.discovery.drm import DMEM_CAPACITY, dmem_regions, host_python
 from gpuppetti.discovery.nvml import LIMITS_DRIVER, TOOLKIT_COMMAND, TOOLKIT_HOOK, NvmlBackend
-from gpuppetti.doctor.result import Result, ok, warn
 from gpuppetti.sharing.limits import gpu_enforced_by, gpu_mechanisms
 
 CHECK = "enforced by"

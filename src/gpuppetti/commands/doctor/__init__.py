@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gpuppetti.doctor import checks, enforcement, vulkan, window
-from gpuppetti.doctor.checks import Settings
-from gpuppetti.doctor.result import MARKS, Result, Status
+from gpuppetti.commands.doctor import checks, enforcement, vulkan, window
+from gpuppetti.commands.doctor.checks import Settings
+from gpuppetti.commands.doctor.result import MARKS, Result, Status
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -17,7 +17,7 @@ import grpc
 
 from gpuppetti._proto.cri.v1 import api_pb2 as pb
 from gpuppetti._proto.cri.v1 import api_pb2_grpc as pb_grpc
-from gpuppetti.doctor.result import Result, fail, ok, warn
+from gpuppetti.commands.doctor.result import Result, fail, ok, warn
 
 TIMEOUT_S = 5.0
 CHECK = "CDI in the runtime"

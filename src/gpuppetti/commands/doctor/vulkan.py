@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuppetti.base.processes import run_within
+from gpuppetti.commands.doctor.result import Result, ok, skip, warn
 from gpuppetti.core.model import Gpu, Vendor
-from gpuppetti.doctor.result import Result, ok, skip, warn
 from gpuppetti.node.vulkanlayer import BUILT, DISABLE_ENV, PROBE
 
 CHECK = "Vulkan driver"

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuppetti.base.quantity import format_bytes
+from gpuppetti.commands.doctor.result import Result, ok, skip, warn
 from gpuppetti.core.model import Gpu, Vendor
-from gpuppetti.doctor.result import Result, ok, skip, warn
 
 CHECK = "virtio-gpu window"
 FEATURES = "virtio-gpu-features"
