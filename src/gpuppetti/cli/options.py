@@ -13,7 +13,7 @@ import difflib
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -159,6 +159,83 @@ def switch(parser: Parser, flag: str, help: str, env: str | None = None) -> None
                                  help=text)
     if env:
         parser.env_options.append(EnvOption(action.dest, flag, env, boolean, False, False))
+
+
+@dataclass(frozen=True)
+class Opt:
+    """A row of a command's table: a flag taking a value (``option``)."""
+
+    flags: tuple[str, ...]
+    help: str
+    convert: Callable[[str], Any] = str
+    default: Any = None
+    env: str | None = None
+    shown_default: str | None = None
+    metavar: str | None = None
+    empty_is_value: bool = False
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A row: an on/off flag, with an env var (``switch``) or without (a plain store_true)."""
+
+    flag: str
+    help: str
+    env: str | None = None
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """A row: a flag that may be given more than once (``repeated``)."""
+
+    flag: str
+    help: str
+    convert: Callable[[str], Any]
+    metavar: str
+
+
+@dataclass(frozen=True)
+class Plain:
+    """A row: a flag argparse checks by its ``type`` alone, with no env var: a value given only on the line."""
+
+    flag: str
+    help: str
+    convert: Callable[[str], Any]
+    default: Any
+    metavar: str
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A row: flags of which at most one may be given."""
+
+    rows: tuple[Plain, ...]
+
+
+Row = Opt | Switch | Repeated | Plain | OneOf
+
+
+def add_rows(parser: Parser | argparse._MutuallyExclusiveGroup, rows: Iterable[Row]) -> None:
+    """Each row's flag on ``parser``, in order (the order ``--help`` shows them in)."""
+    for row in rows:
+        if isinstance(row, Opt):
+            assert isinstance(parser, Parser)
+            option(parser, *row.flags, help=row.help, convert=row.convert, default=row.default, env=row.env,
+                   shown_default=row.shown_default, metavar=row.metavar, empty_is_value=row.empty_is_value)
+        elif isinstance(row, Switch):
+            if row.env is not None:
+                assert isinstance(parser, Parser)
+                switch(parser, row.flag, help=row.help, env=row.env)
+            else:
+                parser.add_argument(row.flag, action="store_true", help=row.help)
+        elif isinstance(row, Repeated):
+            assert isinstance(parser, Parser)
+            repeated(parser, row.flag, help=row.help, convert=row.convert, metavar=row.metavar)
+        elif isinstance(row, Plain):
+            parser.add_argument(row.flag, type=row.convert, default=row.default, metavar=row.metavar, help=row.help)
+        else:
+            assert isinstance(parser, Parser)
+            add_rows(parser.add_mutually_exclusive_group(), row.rows)
 
 
 def boolean(text: str) -> bool:
