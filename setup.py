@@ -24,6 +24,9 @@ NATIVE_SOURCE = ROOT / "native" / "vulkan-layer"
 LIBRARY = "libVkLayer_gpuppetti.so"
 PROBE = "gpuppetti-vkinfo"
 NATIVE_FILES = (LIBRARY, PROBE)
+# Where the layer was not built, why: the installed package says it when a command that would enforce slices starts
+# (pip shows no build output unless asked to).
+NOT_BUILT = "NOT_BUILT"
 
 # The Makefile's variables that make up the two compile lines (its $(LAYER) and $(PROBE) rules).
 _ASSIGNMENT = re.compile(r"^([A-Z_]+)\s*(?::=|\?=|=)\s*(.*)$")
@@ -90,6 +93,9 @@ def build_native(out: Path) -> str | None:
         commands = compile_commands(out)
     except BuildFlagsError as exc:
         return str(exc)
+    # A build directory kept from an earlier build must not hand on that build's layer, or its reason for lacking one.
+    for name in (*NATIVE_FILES, NOT_BUILT):
+        (out / name).unlink(missing_ok=True)
     compiler = commands[0][0][0]
     if shutil.which(compiler) is None:
         return f"no C compiler {compiler!r}"
@@ -123,6 +129,8 @@ if __name__ == "__main__":
             if os.environ.get("GPUPPETTI_REQUIRE_LAYER") == "1":
                 raise SystemExit(f"building the Vulkan layer failed ({why}; it needs a C compiler and libvulkan-dev)")
             print(f"warning: the Vulkan layer was not built ({why}); slices will not be enforced")
+            out.mkdir(parents=True, exist_ok=True)
+            (out / NOT_BUILT).write_text(why + "\n", encoding="utf-8")
 
     class NativeDistribution(Distribution):
         # The layer and its probe are native code: the wheel is a platform wheel, installed to platlib.
