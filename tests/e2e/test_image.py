@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def podman(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Each platform's image in the manifest list: {architecture: digest}."""
     reason = why_no_build() or imagebases.why_not_here()
     if reason is not None:
@@ -68,7 +69,8 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     clone = clean_clone(work / "gpuppetti")
     wheels = wheelhouse(work / "wheels")
     build_flags = shlex.join([
-        "--pull=never", "--no-cache", "--network=none", "--ulimit=nofile=1024:1024", "--ulimit=nproc=1024:1024",
+        "--pull=never", "--no-cache", "--layers=false", "--network=none", "--ulimit=nofile=1024:1024",
+        "--ulimit=nproc=1024:1024",
         f"--volume={wheels}:/wheelhouse:ro", f"--build-arg=BASE_IMAGE={base}",
         f"--build-arg=BUILD_IMAGE={imagebases.BUILD_IMAGE}", f"--build-arg=PYTHON_VERSION={PYTHON_VERSION}",
         "--build-arg=PIP_OPTIONS=--no-index --find-links /wheelhouse"])
@@ -79,7 +81,13 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     print(f"bases {prepared - started:.0f} s, build {time.monotonic() - prepared:.0f} s", file=sys.stderr)
     listed = json.loads(podman("manifest", "inspect", IMAGE).stdout)
-    return {entry["platform"]["architecture"]: entry["digest"] for entry in listed["manifests"]}
+    built = {entry["platform"]["architecture"]: entry["digest"] for entry in listed["manifests"]}
+    ids = [podman("image", "inspect", "--format", "{{.Id}}", f"{IMAGE}@{digest}").stdout.strip()
+           for digest in built.values()]
+    yield built
+    # Built anew each run (--no-cache): the list and its images go, the bases stay.
+    podman("manifest", "rm", IMAGE)
+    podman("rmi", "--force", *[image for image in ids if image])
 
 
 def copied_out(image: str, path: str, destination: Path) -> bytes:
