@@ -119,11 +119,11 @@ def why_no_dist() -> str | None:
     return None
 
 
-def make_dist(source: Path) -> subprocess.CompletedProcess[str]:
+def make_dist(source: Path, *variables: str) -> subprocess.CompletedProcess[str]:
     """`make dist` in source, with this interpreter's venv (which has the dev extras) as its venv."""
     venv_dir = Path(sys.prefix)
-    return _run(["make", "--no-print-directory", "-o", str(venv_dir / ".installed"), f"VENV={venv_dir}", "dist"],
-                source)
+    return _run(["make", "--no-print-directory", "-o", str(venv_dir / ".installed"), f"VENV={venv_dir}", *variables,
+                 "dist"], source)
 
 
 @dataclass(frozen=True)

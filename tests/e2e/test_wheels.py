@@ -86,3 +86,17 @@ def test_each_wheels_tag_is_the_lowest_manylinux_its_symbol_versions_fit(dist: P
     assert all(any(library in facts.needed for facts in elves) for library in SYSTEM_LIBRARIES)
     tag = wheel_tag(wheel).split("-")[2]
     assert tag == lowest_manylinux(arch, elves), f"{wheel.name}: its binaries need {[e.versions for e in elves]}"
+
+
+def test_a_missing_cross_compiler_is_one_clear_line(tmp_path: Path) -> None:
+    reason = why_no_dist()
+    if reason is not None:
+        pytest.skip(f"`make dist` cannot run here: {reason}")
+    clone = clean_clone(tmp_path / "gpuppetti")
+    result = make_dist(clone, "DIST_ARCHES=x86_64 riscv64")
+    assert result.returncode != 0
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("make dist:")]
+    assert line == ("make dist: no riscv64-linux-gnu-gcc for the riscv64 wheel (Debian: gcc-riscv64-linux-gnu, and "
+                    "libvulkan-dev for that architecture)")
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not list((clone / "dist").glob("*.whl"))
