@@ -85,7 +85,7 @@ IMAGE_BUILD_FLAGS ?=
 BUILD_PLATFORM ?= linux/$(shell uname -m | sed 's/^x86_64$$/amd64/; s/^aarch64$$/arm64/')
 image:
 ifeq ($(PLATFORMS),)
-	$(CONTAINER_TOOL) build $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
+	$(CONTAINER_TOOL) build $(IMAGE_BUILD_FLAGS) --build-arg BUILDPLATFORM=$(BUILD_PLATFORM) -t $(IMAGE) .
 else
 	@case "$(CONTAINER_TOOL)" in *podman*) ;; *) echo "make image PLATFORMS=...: podman builds the manifest list" \
 	  "(docker: docker buildx build --platform $(PLATFORMS) -t $(IMAGE) --push .)" >&2; exit 2 ;; esac

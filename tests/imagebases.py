@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gpuppetti.kubelet.sandbox import PODMAN_FLAGS
@@ -131,8 +132,13 @@ def prepare() -> str:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     with helpers.machine_lock(LOCK, f"image bases: waiting for another run to finish with {STATE_DIR}"):
         started = time.monotonic()
-        build = _rootfs("build-amd64", ["--arch=amd64", f"--include={','.join(BUILD_PACKAGES)}"], _foreign_loader)
-        arm64 = _rootfs("base-arm64", ["--foreign", "--arch=arm64", "--include=python3"], _unpack_included)
+        # Side by side: each waits mostly on the mirror and the disk.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="debootstrap") as pool:
+            building = pool.submit(_rootfs, "build-amd64", ["--arch=amd64", f"--include={','.join(BUILD_PACKAGES)}"],
+                                   _foreign_loader)
+            based = pool.submit(_rootfs, "base-arm64", ["--foreign", "--arch=arm64", "--include=python3"],
+                                _unpack_included)
+            build, arm64 = building.result(), based.result()
         _image(BUILD_IMAGE, build, "amd64")
         _image(ARM64_BASE, arm64, "arm64")
         if podman("manifest", "exists", BASE_LIST, timeout=60).returncode != 0:
