@@ -300,8 +300,8 @@ async def install_layer(directory: Path | None) -> Enforcement:
         log.warning("slices are not enforced: %s", exc)
         short = str(exc)
         if missing_files():
-            why = not_built()
-            short = f"this installation has no built Vulkan layer{': ' + why if why else ''}"
+            built_without = not_built()
+            short = f"this installation has no built Vulkan layer{': ' + built_without if built_without else ''}"
         return Enforcement(None, short)
     log.info("slices are enforced through the Vulkan layer in %s", directory)
     return Enforcement(layer, f"the Vulkan layer in {directory}")
