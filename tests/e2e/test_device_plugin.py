@@ -63,10 +63,11 @@ async def test_pods_get_their_slices_and_env(
         "GPUPPETTI_SLICES": first.device_ids[0],
         "GPUPPETTI_SHARING": "time-slicing",
         "GPUPPETTI_REPLICAS": "4",
+        "GPUPPETTI_ENFORCED_BY": "none",
     }
     if "GPUPPETTI_VK_SLICES" in env:  # where the Vulkan layer is built: a quarter of 48 GiB, enforced
         expected |= {"GPUPPETTI_VK_SLICES": f"any={12 * 2**30}", "GPUPPETTI_VK_ACCOUNTING": "/run/gpuppetti/vulkan",
-                     "GPUPPETTI_LIMITS": "vulkan"}
+                     "GPUPPETTI_LIMITS": "vulkan", "GPUPPETTI_ENFORCED_BY": "vulkan-layer"}
     assert env == expected
 
     pair = (await kubelet.admit(Pod.simple("pair", APPLE, 2)))[0]

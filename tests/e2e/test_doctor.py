@@ -35,6 +35,13 @@ def node() -> Iterator[Path]:
 
     root = short_tmpdir("gp-doc-")
     amd_machine(root / "host")
+    # A kernel with the dmem controller, whose amdgpu registers the card's VRAM.
+    (root / "host/sys/fs/cgroup").mkdir(parents=True)
+    (root / "host/sys/fs/cgroup/dmem.capacity").write_text("drm/0000:03:00.0/vram 25753026560\n")
+    python = root / "host/usr/bin/python3"  # what the dmem hook runs with
+    python.parent.mkdir(parents=True)
+    python.write_bytes(b"")
+    python.chmod(0o755)
     icd = root / "host/usr/share/vulkan/icd.d/radeon_icd.x86_64.json"
     icd.parent.mkdir(parents=True)
     icd.write_text(json.dumps({"file_format_version": "1.0.0",
@@ -80,7 +87,8 @@ async def test_a_node_with_everything_in_place(
         "config": "ok", "GPUs": "ok", "host agent": "skip", "kubelet device plugins": "ok",
         "kubelet plugin registry": "ok", "container runtime": "ok", "CDI in the runtime": "ok",
         "CDI directory": "ok", "Vulkan": "ok", "daemon": "ok", "Vulkan driver": "skip",
-        "Vulkan layer": "ok" if (BUILT / LIBRARY).exists() else "warn"}
+        "Vulkan layer": "ok" if (BUILT / LIBRARY).exists() else "warn",
+        "enforced by amd-0000-03-00.0": "ok" if (BUILT / LIBRARY).exists() else "warn"}
     assert "run `gpuppetti doctor` on the node itself" in checks["Vulkan driver"]["detail"], "a host root's drivers"
     assert "1 found by drm: amd-0000-03-00.0 (Navi 31" in checks["GPUs"]["detail"]
     assert checks["container runtime"]["detail"].startswith("containerd 2.1.4 (CRI v1)")

@@ -1,7 +1,8 @@
 """A stand-in for nvidia-ml-py's ``pynvml`` that behaves like the real module, errors included.
 
 Tests put this directory first on PYTHONPATH. The devices come from the JSON file named by FAKE_NVML_STATE:
-    {"driver_loaded": true, "devices": [{"uuid", "name", "memory", "minor", "bus_id", "cores", "xid": true}],
+    {"driver_loaded": true, "driver_version": "580.95.05",
+     "devices": [{"uuid", "name", "memory", "minor", "bus_id", "cores", "xid": true}],
      "events": "/path/to/events"}
 Each line appended to the events file, "<uuid> <xid>", becomes one XID critical error event.
 """
@@ -129,7 +130,7 @@ def nvmlShutdown() -> None:
 
 def nvmlSystemGetDriverVersion() -> str:
     _check_init()
-    return "580.95.05"
+    return str(_state().get("driver_version", "580.95.05"))
 
 
 def nvmlDeviceGetCount() -> int:

@@ -4,17 +4,30 @@ Temporary files get a random name created with O_EXCL (which also refuses a syml
 set on the open file whatever the process's umask, and the rename replaces whatever sits at the final name rather
 than following it. So a symlink planted in a directory cannot redirect a write, and a crash leaves either the old
 content or the new one, never a torn file.
+
+A directory that others can write (a container's) is removed a level at a time with directory descriptors, never by
+path and never through a link, with a bound on the descriptors it holds and the entries it takes per call; and the
+daemon can give such a directory a small filesystem of its own (a tmpfs), so that what it holds has a size.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import secrets
 import stat
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+# Directories a removal holds open at once: a deeper one is moved up to the top of the tree and removed from there.
+REMOVE_DEPTH = 32
+# Entries a removal takes per call: a tree with more is left for a later call.
+REMOVE_ENTRIES = 100_000
 
 
 def sync_directory(directory: Path) -> None:
@@ -135,3 +148,190 @@ def remove_file(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+@dataclass
+class _Level:
+    """A directory being emptied: its descriptor, its name in the level above, the subdirectories still to go."""
+
+    fd: int
+    name: str
+    subdirectories: list[str] = field(default_factory=list)
+
+
+def remove_tree(path: Path | str, limit: int = REMOVE_ENTRIES) -> str | None:
+    """Remove ``path`` and all it holds, in a directory others can write: None once it is gone (or was never there),
+    otherwise why some of it is left (call again later). Never raises, never follows a link, never crosses into
+    another filesystem, holds at most REMOVE_DEPTH directories open, and takes at most ``limit`` entries."""
+    parent, name = os.path.split(os.fspath(path))
+    try:
+        parent_fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot open {parent}: {exc.strerror or exc}"
+    try:
+        return _remove_at(parent_fd, name, limit)
+    finally:
+        os.close(parent_fd)
+
+
+def _remove_at(parent_fd: int, name: str, limit: int) -> str | None:
+    try:
+        os.unlink(name, dir_fd=parent_fd)
+        return None
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        pass
+    except OSError as exc:
+        return f"{exc.strerror or exc}"
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=parent_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{exc.strerror or exc}"
+    levels = [_Level(fd, name)]
+    try:
+        device = os.fstat(fd).st_dev
+        return _empty(parent_fd, levels, device, limit)
+    except OSError as exc:
+        return f"{exc.strerror or exc}"
+    finally:
+        for level in levels:
+            os.close(level.fd)
+
+
+def _empty(parent_fd: int, levels: list[_Level], device: int, limit: int) -> str | None:
+    # Iterative, depth first: a tree as deep as a tenant likes costs no recursion, and its deepest levels are moved
+    # up to the top one instead of each holding a descriptor.
+    problem: str | None = None
+    # Entries given up on this call (inode numbers): not tried again, so that the walk ends.
+    stuck: set[int] = set()
+    taken = _scan(levels[0], stuck, limit)
+    if taken < 0:
+        return f"more than {limit} entries: the rest is left for later"
+    while levels:
+        level = levels[-1]
+        if level.subdirectories:
+            child = level.subdirectories.pop()
+            if len(levels) >= REMOVE_DEPTH:
+                moved = f".removing-{secrets.token_hex(8)}"
+                try:
+                    os.rename(child, moved, src_dir_fd=level.fd, dst_dir_fd=levels[0].fd)
+                except OSError as exc:
+                    problem = problem or f"{child}: {exc.strerror or exc}"
+                    continue
+                levels[0].subdirectories.append(moved)
+                continue
+            try:
+                fd = os.open(child, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                             dir_fd=level.fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                problem = problem or f"{child}: {exc.strerror or exc}"
+                continue
+            info = os.fstat(fd)
+            if info.st_dev != device:
+                os.close(fd)
+                problem = problem or f"{child}: another filesystem is mounted there"
+                continue
+            levels.append(_Level(fd, child))
+            count = _scan(levels[-1], stuck, limit - taken)
+            if count < 0:
+                return f"more than {limit} entries: the rest is left for later"
+            taken += count
+            continue
+        levels.pop()
+        os.close(level.fd)
+        above = levels[-1].fd if levels else parent_fd
+        try:
+            os.rmdir(level.name, dir_fd=above)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            problem = problem or f"{level.name}: {exc.strerror or exc}"
+    return problem
+
+
+def _scan(level: _Level, stuck: set[int], limit: int) -> int:
+    """Unlink what ``level`` holds but directories, which it keeps to descend into; the entries taken, or -1 past
+    ``limit``. A file that cannot be unlinked is left (its directory's removal then says why)."""
+    taken = 0
+    with os.scandir(level.fd) as entries:
+        for entry in entries:
+            taken += 1
+            if taken > limit:
+                return -1
+            inode = entry.inode()
+            if inode in stuck:
+                continue
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    level.subdirectories.append(entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=level.fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                stuck.add(inode)
+    return taken
+
+
+# Mounting, through the C library: no Python module wraps mount(2).
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MNT_DETACH, _UMOUNT_NOFOLLOW = 2, 8
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def mount_tmpfs(path: Path | str, size: int, inodes: int, mode: int = 0o755) -> None:
+    """Mount a tmpfs of at most ``size`` bytes and ``inodes`` files at ``path`` (no devices, set-user-id or
+    programs in it). Raises OSError (EPERM without CAP_SYS_ADMIN)."""
+    options = f"size={size},nr_inodes={inodes},mode={mode:o}".encode()
+    if _libc.mount(b"gpuppetti", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number), os.fspath(path))
+
+
+def unmount(path: Path | str) -> bool:
+    """Detach what is mounted at ``path`` (lazily: a container that has it keeps it until it ends); whether
+    something was. Never follows a link. Raises OSError but for a path that is no mount point."""
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH | _UMOUNT_NOFOLLOW) == 0:
+        return True
+    number = ctypes.get_errno()
+    if number in (errno.EINVAL, errno.ENOENT):
+        return False
+    raise OSError(number, os.strerror(number), os.fspath(path))
+
+
+def is_mount_point(path: Path | str) -> bool:
+    """Whether another filesystem is mounted at ``path`` (never through a link)."""
+    try:
+        here = os.lstat(path)
+        above = os.lstat(os.path.join(path, ".."))
+    except OSError:
+        return False
+    return stat.S_ISDIR(here.st_mode) and (here.st_dev != above.st_dev or here.st_ino == above.st_ino)
+
+
+def mounts_propagate(path: Path | str, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether a mount made under ``path`` reaches the other mount namespaces of the host: the mount that holds it
+    is shared (a Kubernetes volume with mountPropagation Bidirectional, or a host whose systemd made / shared)."""
+    target = os.path.realpath(path)
+    best, shared = "", False
+    try:
+        with open(mountinfo, encoding="utf-8") as lines:
+            for line in lines:
+                fields = line.split(" - ", 1)[0].split()
+                if len(fields) < 6:
+                    continue
+                point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, shared = point, any(tag.startswith("shared:") for tag in fields[6:])
+    except OSError:
+        return False
+    return shared

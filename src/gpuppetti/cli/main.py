@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from gpuppetti.base import earlysignals
-from gpuppetti.cli import daemons, tools
+from gpuppetti.cli import daemons, installer, tools
 from gpuppetti.cli.options import UsageError, apply_environment
 from gpuppetti.cli.parser import build_parser
 from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, Failure, fail
@@ -29,6 +29,8 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "top": tools.top,
     "manifests": tools.manifests,
     "demo": tools.demo,
+    "install": installer.install,
+    "uninstall": installer.uninstall,
 }
 
 

@@ -13,7 +13,7 @@ from gpuppetti.base.nodepaths import (
     DEFAULT_REGISTRY_DIR,
     DEFAULT_VULKAN_LAYER_DIR,
 )
-from gpuppetti.cli import values
+from gpuppetti.cli import installer, values
 from gpuppetti.cli.options import Parser, option, repeated, switch
 from gpuppetti.commands.manifests import DEFAULT_IMAGE, DEFAULT_NAMESPACE, RESOURCES
 from gpuppetti.core.config import BACKENDS, CONFIG_ENV
@@ -300,4 +300,6 @@ def build_parser() -> Parser:
            default=DEFAULT_HTTP_ADDRESS, metavar="HOST:PORT",
            help="with --keep-running: where to serve, as the daemons do (gpuppetti top's default --from)")
     _log_level(demo, "warning")
+
+    installer.register(command)
     return parser

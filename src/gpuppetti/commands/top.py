@@ -66,6 +66,8 @@ class GpuRecord(_Record):
     resource: Shown | None = None
     replicas: Annotated[int, Field(ge=0)] | None = None
     slice_memory_bytes: Bytes | None = None
+    # What holds its slices' memory (sharing.limits): vulkan-layer, nvml, dmem, a combination, or none.
+    enforced_by: Shown | None = None
 
 
 class SliceRecord(_Record):
@@ -185,6 +187,7 @@ def render(view: View, width: int) -> RenderableType:
             Text(gpu.id, "bold"), Text(gpu.model), Text(format_bytes(gpu.memory_bytes)),
             Text(gpu.health, "green" if gpu.health == "Healthy" else "red"),
             Text(f"{len(slices)} of {gpu.replicas or 1} slice(s) held, {format_bytes(used)} in use"),
+            Text(f"enforced by {gpu.enforced_by or 'none'}"),
         ], width))
     if not view.slices:
         lines.append(Text("no slice is held by a container (or slices are not enforced here)", style="dim"))

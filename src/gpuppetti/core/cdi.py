@@ -41,6 +41,18 @@ def render_edits(edits: ContainerEdits) -> dict[str, Any]:
              "options": ["ro" if m.read_only else "rw", "nosuid", "nodev", "bind"]}
             for m in edits.mounts
         ]
+    if edits.hooks:
+        hooks = []
+        for hook in edits.hooks:
+            entry = {"hookName": hook.hook_name, "path": hook.path}
+            if hook.args:
+                entry["args"] = list(hook.args)
+            if hook.env:
+                entry["env"] = list(hook.env)
+            if hook.timeout is not None:
+                entry["timeout"] = hook.timeout
+            hooks.append(entry)
+        rendered["hooks"] = hooks
     return rendered
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -57,6 +58,48 @@ class DeviceNode:
         return self.host_path or self.path
 
 
+class Mechanism(enum.StrEnum):
+    """What holds a container to its slice's memory (docs/enforced-slices.md compares them)."""
+
+    # Ours: Vulkan calls, cooperatively, on every vendor.
+    VULKAN_LAYER = "vulkan-layer"
+    # NVIDIA's driver, through the container toolkit's apply-cuda-memory-limits hook: CUDA and Vulkan alike.
+    NVML = "nvml"
+    # The kernel's dmem cgroup controller, in a region the GPU's driver registers (xe, amdgpu).
+    DMEM = "dmem"
+
+
+# What a GPU's slices are said to be enforced by where nothing holds them.
+NOT_ENFORCED = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverLimit:
+    """A memory limit the GPU's driver or the kernel enforces for a container, as discovery found it on the node:
+    for NVML the toolkit's hook program (a host path), for dmem the region the driver registers."""
+
+    mechanism: Mechanism
+    hook: str | None = None
+    region: str | None = None
+
+
+def enforced_by(mechanisms: Sequence[Mechanism]) -> str:
+    """``vulkan-layer+nvml``, or ``none``: in the one order every place that shows it uses."""
+    names = [m.value for m in Mechanism if m in mechanisms]
+    return "+".join(names) or NOT_ENFORCED
+
+
+@dataclass(frozen=True)
+class Hook:
+    """An OCI hook a CDI spec adds to the container (CDI's ``hooks[]``). ``args`` start with the program's name."""
+
+    hook_name: str
+    path: str
+    args: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    timeout: int | None = None
+
+
 @dataclass(frozen=True)
 class Mount:
     container_path: str
@@ -93,6 +136,12 @@ class Gpu:
     facts: str | None = field(default=None, compare=False)
     # A GPU that exists only in the config: no device node, no vendor runtime to select it.
     simulated: bool = False
+    # The limits its driver or the kernel can hold a container to on this node (beside the Vulkan layer, which the
+    # daemon brings): a driver upgrade that adds one changes what its devices offer.
+    limits: tuple[DriverLimit, ...] = ()
+
+    def limit(self, mechanism: Mechanism) -> DriverLimit | None:
+        return next((limit for limit in self.limits if limit.mechanism is mechanism), None)
 
     @property
     def resource_name(self) -> str:
@@ -121,6 +170,7 @@ class ContainerEdits:
     env: dict[str, str] = field(default_factory=dict)
     device_nodes: list[DeviceNode] = field(default_factory=list)
     mounts: list[Mount] = field(default_factory=list)
+    hooks: list[Hook] = field(default_factory=list)
 
     def add_device_node(self, node: DeviceNode) -> None:
         if node not in self.device_nodes:
@@ -130,6 +180,10 @@ class ContainerEdits:
         if mount not in self.mounts:
             self.mounts.append(mount)
 
+    def add_hook(self, hook: Hook) -> None:
+        if hook not in self.hooks:
+            self.hooks.append(hook)
+
     def merge(self, other: ContainerEdits) -> None:
         """Take ``other``'s edits too; its env wins where both set a variable."""
         self.env.update(other.env)
@@ -137,3 +191,5 @@ class ContainerEdits:
             self.add_device_node(node)
         for mount in other.mounts:
             self.add_mount(mount)
+        for hook in other.hooks:
+            self.add_hook(hook)

@@ -5,6 +5,13 @@ asking: which device ids of which resource are assigned to containers now. A dut
 ``CHECK_INTERVAL_S`` and removes the directories of allocations none of whose units is assigned any more. Units
 are exclusive, so an Allocate of a unit also removes any earlier allocation that had it; at start, directories of
 units the plugin no longer advertises go.
+
+Which units an allocation was made for comes from the plugin's own record (LayerDir.records), never from the
+directory its container can write. A directory without one (made by an earlier version, which kept the units in the
+directory) is unknown until the kubelet says which container holds it: an allocation's name is a digest of its
+units, so the container whose units of one resource digest to the name is its holder; none does, it goes.
+A directory whose removal cannot finish (a file that cannot go, more entries than one pass takes) is tried again at
+each check.
 """
 
 from __future__ import annotations
@@ -60,6 +67,13 @@ class Enforcer:
         self._slices: dict[str, list[tuple[str, str]]] = {}
         # Unit -> the (namespace, pod, container) the kubelet last said it is assigned to.
         self._owners: dict[str, tuple[str, str, str]] = {}
+        # Allocation -> when it was found without the plugin's record of its units (monotonic): see the module.
+        self._unknown: dict[str, float] = {}
+        # Allocations freed whose directories are not all removed yet.
+        self._leftover: set[str] = set()
+        # Allocation -> the units of one resource the kubelet last said a container holds, named as Allocate names
+        # them (for the unknown directories).
+        self._held: dict[str, frozenset[str]] = {}
         self._said_no_pod_resources = False
         # Set by an Allocate: the kubelet is asked, shortly after, whose container the units went to.
         self._allocated = asyncio.Event()
@@ -73,8 +87,10 @@ class Enforcer:
             if units and set(units) <= advertised:
                 # Possibly still in use: the PodResources check decides once its grace has passed.
                 self._allocations[allocation] = (frozenset(units), time.monotonic() - self.grace)
-            else:
-                await asyncio.to_thread(self.layer.remove, allocation)
+            elif not units:
+                self._unknown[allocation] = time.monotonic() - self.grace
+            elif not await asyncio.to_thread(self.layer.remove, allocation):
+                self._leftover.add(allocation)
 
     async def allocate(self, unit_ids: Sequence[str], budgets: Sequence[Budget]) -> ContainerEdits:
         """The allocation's directory, made anew, and the edits that put its container under the layer."""
@@ -82,7 +98,10 @@ class Enforcer:
         units = frozenset(unit_ids)
         freed = [other for other, (theirs, _) in self._allocations.items() if other != allocation and theirs & units]
         memories = [budget.memory for budget in budgets]
-        await asyncio.to_thread(self._replace, allocation, memories, sorted(units), freed)
+        left = await asyncio.to_thread(self._replace, allocation, memories, sorted(units), freed)
+        self._leftover.update(left)
+        self._leftover.discard(allocation)
+        self._unknown.pop(allocation, None)
         for other in freed:
             self._allocations.pop(other, None)
             self._slices.pop(other, None)
@@ -106,10 +125,11 @@ class Enforcer:
                 found.append(([*holder, gpu, unit], use))
         return found
 
-    def _replace(self, allocation: str, memories: list[int], units: list[str], freed: list[str]) -> None:
-        for other in freed:
-            self.layer.remove(other)
+    def _replace(self, allocation: str, memories: list[int], units: list[str], freed: list[str]) -> list[str]:
+        """Make the allocation's directory anew, removing those of the ``freed``; those not all removed yet."""
+        left = [other for other in freed if not self.layer.remove(other)]
         self.layer.create(allocation, memories, units)
+        return left
 
     async def keep_in_use(self) -> None:
         """Duty: ask the kubelet which units are assigned (and to whom, for /metrics), and remove the directories of
@@ -122,22 +142,33 @@ class Enforcer:
                 # The kubelet records an assignment once Allocate has answered: ask a moment later.
                 self._allocated.clear()
                 await asyncio.sleep(OWNERS_DELAY_S)
-            if self._allocations:
+            if self._allocations or self._unknown or self._leftover:
                 await self.check()
 
     async def check(self) -> None:
+        for allocation in sorted(self._leftover):
+            if await asyncio.to_thread(self.layer.remove, allocation):
+                self._leftover.discard(allocation)
+                log.info("removed the rest of the layer directory of allocation %s", allocation)
         assigned = await self._assigned()
         if assigned is None:
             return
         now = time.monotonic()
+        for allocation in [a for a in self._unknown if a in self._held]:
+            del self._unknown[allocation]
+            self._allocations[allocation] = (self._held[allocation], now - self.grace)
+            log.info("allocation %s, made by an earlier version, is held by a container: kept", allocation)
         gone = [allocation for allocation, (units, made) in self._allocations.items()
                 if now - made >= self.grace and not units & assigned]
-        for allocation in gone:
-            await asyncio.to_thread(self.layer.remove, allocation)
-            del self._allocations[allocation]
+        unheld = [allocation for allocation, found in self._unknown.items() if now - found >= self.grace]
+        for allocation in gone + unheld:
+            if not await asyncio.to_thread(self.layer.remove, allocation):
+                self._leftover.add(allocation)
+            self._allocations.pop(allocation, None)
+            self._unknown.pop(allocation, None)
             self._slices.pop(allocation, None)
-        if gone:
-            log.info("removed the layer directories of %d freed allocation(s)", len(gone))
+        if gone or unheld:
+            log.info("removed the layer directories of %d freed allocation(s)", len(gone) + len(unheld))
 
     async def _assigned(self) -> set[str] | None:
         if not self.pod_resources.exists():
@@ -156,4 +187,13 @@ class Enforcer:
         self._owners = {device_id: (pod.namespace, pod.name, container.name) for pod in answer.pod_resources
                         for container in pod.containers for devices in container.devices
                         for device_id in devices.device_ids}
+        if self._unknown:
+            # The kubelet may list a container's units of one resource in several entries (one per NUMA node).
+            groups: dict[tuple[str, str, str, str], set[str]] = {}
+            for pod in answer.pod_resources:
+                for container in pod.containers:
+                    for devices in container.devices:
+                        key = (pod.namespace, pod.name, container.name, devices.resource_name)
+                        groups.setdefault(key, set()).update(devices.device_ids)
+            self._held = {allocation_id(list(units)): frozenset(units) for units in groups.values()}
         return set(self._owners)

@@ -51,7 +51,7 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     metrics.watch(inventory)
     enforcer = None
     enforcement = await install_layer(options.serving.vulkan_layer_dir)
-    metrics.slices_enforced.set(int(enforcement.enforced))
+    metrics.enforced(enforcement.enforced, hooks=False)
     if (layer := enforcement.layer) is not None:
         enforcer = Enforcer(layer, pod_resources_socket(options.device_plugin_dir))
         metrics.watch_slices(enforcer)
@@ -70,7 +70,7 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     # Listening only once readiness is set: /healthz answers from what the plugin knows, never a placeholder.
     http = HttpServer(metrics)
     http.readiness = waiting_for
-    http.records = lambda: gpu_records(inventory.snapshot)
+    http.records = lambda: gpu_records(inventory.snapshot, enforcement.enforced, hooks=False)
     http.slices = lambda: slice_records(enforcer)
     if options.serving.http_address:
         await http.start(options.serving.http_address)

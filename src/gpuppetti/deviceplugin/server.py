@@ -25,6 +25,7 @@ from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.sharing.budgets import Enforce, unit_budgets
 from gpuppetti.sharing.edits import container_edits
+from gpuppetti.sharing.limits import with_limits
 from gpuppetti.sharing.policy import preferred_allocation
 from gpuppetti.sharing.replicas import Unit
 
@@ -274,12 +275,13 @@ class DevicePluginService:
         enforcer = self._enforcer
         sharing = snapshot.config.sharing
         enforce = Enforce(sharing.enforce_memory, sharing.enforce_compute)
-        if enforcer is None or not enforce:
+        if not enforce:
             return None
         budgets = unit_budgets(units, snapshot.gpus, enforce)
         if not budgets:
             return None
-        return await enforcer.allocate([unit.id for unit in units], budgets)
+        edits = await enforcer.allocate([unit.id for unit in units], budgets) if enforcer is not None else None
+        return with_limits(edits, budgets, enforcer.layer.path if enforcer is not None else None, hooks=False)
 
     async def PreStartContainer(
         self, request: pb.PreStartContainerRequest, context: grpc.aio.ServicerContext

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuppetti.core.config import VirtioSection
-from gpuppetti.core.model import DeviceNode, Gpu, Vendor
+from gpuppetti.core.model import DeviceNode, DriverLimit, Gpu, Mechanism, Vendor
 from gpuppetti.discovery.pciids import find_database, model_name
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,33 @@ def _pci_address(device: Path, uevent: dict[str, str]) -> str | None:
         if _BDF.match(candidate):
             return candidate.lower()
     return None
+
+
+# The kernel's dmem cgroup controller (Linux 6.13+) lists here each region a driver registers, with its size.
+DMEM_CAPACITY = "sys/fs/cgroup/dmem.capacity"
+# The dmem hook runs with the host's python3 (through /usr/bin/env): without one, its containers could not start.
+HOST_PYTHONS = ("usr/bin/python3", "usr/local/bin/python3")
+
+
+def host_python(host_root: Path) -> bool:
+    return any(os.access(host_root / path, os.X_OK) for path in HOST_PYTHONS)
+
+
+def dmem_regions(host_root: Path) -> dict[str, tuple[str, int]] | None:
+    """Per PCI address, the first device-memory region its driver registers with the dmem controller (xe's
+    ``drm/<pci>/vram0``, amdgpu's ``drm/<pci>/vram``) and its size; None where the kernel has no dmem controller."""
+    text = _read(host_root / DMEM_CAPACITY)
+    if text is None:
+        return None
+    regions: dict[str, tuple[str, int]] = {}
+    for line in text.splitlines():
+        name, _, size = line.strip().partition(" ")
+        kind, _, rest = name.partition("/")
+        pci, _, _ = rest.partition("/")
+        if kind != "drm" or not _BDF.match(pci) or not size.strip().isdigit():
+            continue
+        regions.setdefault(pci.lower(), (name, int(size.strip())))
+    return regions
 
 
 def numa_node_of(host_root: Path, pci_address: str | None, device: Path | None = None) -> int | None:
@@ -145,12 +172,21 @@ class DrmBackend:
             if (match := _CARD.match(entry.name))
         )
         database = find_database(self.host_root)
+        regions = dmem_regions(self.host_root) or {}
+        if regions and not host_python(self.host_root):
+            if "python3" not in self._warned:
+                self._warned.add("python3")
+                log.warning("the kernel's dmem controller has regions, but the host has no python3 to run the "
+                            "hook that sets a container's dmem.max: slices are not held by it")
+            regions = {}
         found: list[Gpu] = []
         per_vendor: dict[Vendor, int] = {}
         for _, entry in cards:
             gpu = self._card(entry, database)
             if gpu is None:
                 continue
+            if gpu.pci_address in regions:
+                gpu = _with_region(gpu, *regions[gpu.pci_address])
             index = per_vendor.get(gpu.vendor, 0)
             per_vendor[gpu.vendor] = index + 1
             found.append(_with_index(gpu, index))
@@ -247,6 +283,12 @@ class DrmBackend:
             memory_used_bytes=used,
             facts=facts,
         )
+
+
+def _with_region(gpu: Gpu, region: str, size: int) -> Gpu:
+    """The GPU with its dmem region, and the region's size as its memory where sysfs gave none (xe's VRAM)."""
+    return dataclasses.replace(gpu, limits=(*gpu.limits, DriverLimit(Mechanism.DMEM, region=region)),
+                               memory_bytes=gpu.memory_bytes if gpu.memory_bytes is not None else size)
 
 
 def _with_index(gpu: Gpu, index: int) -> Gpu:

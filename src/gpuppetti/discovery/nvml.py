@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -14,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from gpuppetti.core.model import DeviceNode, Gpu, Health, HealthEvent, Vendor
+from gpuppetti.core.model import DeviceNode, DriverLimit, Gpu, Health, HealthEvent, Mechanism, Vendor
 from gpuppetti.discovery.drm import numa_node_of
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,51 @@ def preload_host_library(host_root: Path, load: Callable[[str], object] | None =
     return library
 
 
+# NVIDIA's driver holds a container to a memory limit from this branch on (NVML's SetMemoryLimits_v1), where the
+# container toolkit's hook asks it to.
+LIMITS_DRIVER = 615
+TOOLKIT_HOOK = "nvidia-cdi-hook"
+TOOLKIT_COMMAND = "apply-cuda-memory-limits"
+# Where the toolkit installs its hook on the host (packages, the GPU operator's toolkit container).
+TOOLKIT_DIRS = ("usr/bin", "usr/local/bin", "usr/local/nvidia/toolkit", "run/nvidia/toolkit")
+HELP_TIMEOUT_S = 5.0
+
+
+def driver_branch(version: str) -> int | None:
+    """``615.12.01`` -> 615; None where NVML's string is not a version."""
+    head = version.strip().split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def toolkit_hook(host_root: Path) -> tuple[str | None, str]:
+    """The host path of a container toolkit hook that applies memory limits, or None and why not. Its ``--help``
+    must list the subcommand: older toolkits ship the program without it. Blocks (runs it): call from a thread."""
+    found = [directory for directory in TOOLKIT_DIRS if os.access(host_root / directory / TOOLKIT_HOOK, os.X_OK)]
+    if not found:
+        return None, (f"no {TOOLKIT_HOOK} (the NVIDIA container toolkit's hook) in "
+                      f"{', '.join('/' + d for d in TOOLKIT_DIRS)}")
+    path = host_root / found[0] / TOOLKIT_HOOK
+    host_path = f"/{found[0]}/{TOOLKIT_HOOK}"
+    try:
+        answer = subprocess.run([str(path), "--help"], capture_output=True, timeout=HELP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"{host_path} --help failed: {exc}"
+    if TOOLKIT_COMMAND.encode() not in answer.stdout + answer.stderr:
+        return None, f"{host_path} has no {TOOLKIT_COMMAND} command (the NVIDIA container toolkit is too old)"
+    return host_path, f"{host_path} {TOOLKIT_COMMAND}"
+
+
+def memory_limits(host_root: Path, driver_version: str) -> tuple[DriverLimit | None, str]:
+    """Whether NVIDIA's driver can hold this node's containers to a memory limit, and what says so or why not."""
+    branch = driver_branch(driver_version)
+    if branch is None or branch < LIMITS_DRIVER:
+        return None, f"driver {driver_version} is older than r{LIMITS_DRIVER}, the first to enforce memory limits"
+    hook, why = toolkit_hook(host_root)
+    if hook is None:
+        return None, why
+    return DriverLimit(Mechanism.NVML, hook=hook), f"driver {driver_version} and {why}"
+
+
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
@@ -84,6 +131,8 @@ class NvmlBackend:
         self.ignored_xids = frozenset(ignored_xids)
         self._nvml: ModuleType | None = module
         self._why_not: str | None = None
+        # Discovery runs at every health poll: the toolkit's hook is asked once per driver version.
+        self._limits: tuple[str, DriverLimit | None] | None = None
 
     def _module(self) -> ModuleType | None:
         if self._nvml is None and self._why_not is None:
@@ -111,17 +160,47 @@ class NvmlBackend:
     def looked_at(self) -> str:
         return f"nvml: {self._why_not or 'no NVIDIA GPU reported'}"
 
+    def limits_support(self) -> tuple[DriverLimit | None, str]:
+        """Whether the driver and the toolkit hold containers to memory limits here, and why not (doctor)."""
+        nvml = self._module()
+        if nvml is None:
+            return None, self._why_not or "no NVML"
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            return None, f"NVML did not initialise: {exc}"
+        try:
+            version = _text(nvml.nvmlSystemGetDriverVersion())
+        except nvml.NVMLError as exc:
+            return None, f"NVML does not say the driver's version: {exc}"
+        finally:
+            nvml.nvmlShutdown()
+        return memory_limits(self.host_root, version)
+
     def discover(self) -> list[Gpu]:
         nvml = self._module()
         if nvml is None:
             return []
         nvml.nvmlInit()
         try:
-            return [self._device(nvml, index) for index in range(nvml.nvmlDeviceGetCount())]
+            limit = self._driver_limit(nvml)
+            return [self._device(nvml, index, limit) for index in range(nvml.nvmlDeviceGetCount())]
         finally:
             nvml.nvmlShutdown()
 
-    def _device(self, nvml: ModuleType, index: int) -> Gpu:
+    def _driver_limit(self, nvml: ModuleType) -> DriverLimit | None:
+        try:
+            version = _text(nvml.nvmlSystemGetDriverVersion())
+        except nvml.NVMLError as exc:
+            log.warning("nvml: cannot read the driver's version (%s): its memory limits are not used", exc)
+            return None
+        if self._limits is None or self._limits[0] != version:
+            limit, why = memory_limits(self.host_root, version)
+            log.info("nvml: the driver %s slices' memory: %s", "holds" if limit else "does not hold", why)
+            self._limits = (version, limit)
+        return self._limits[1]
+
+    def _device(self, nvml: ModuleType, index: int, limit: DriverLimit | None = None) -> Gpu:
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
         uuid = _text(nvml.nvmlDeviceGetUUID(handle))
         minor = int(nvml.nvmlDeviceGetMinorNumber(handle))
@@ -148,6 +227,7 @@ class NvmlBackend:
             pci_address=bus_id,
             uuid=uuid,
             driver="nvidia",
+            limits=(limit,) if limit is not None else (),
         )
 
     def watch(self, emit: Callable[[HealthEvent], None], stop: threading.Event) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gpuppetti.doctor import checks, vulkan, window
+from gpuppetti.doctor import checks, enforcement, vulkan, window
 from gpuppetti.doctor.checks import Settings
 from gpuppetti.doctor.result import MARKS, Result, Status
 
@@ -30,6 +30,9 @@ async def checkup(settings: Settings) -> list[Result]:
                                                            settings.containerd_address),
                                     name="doctor-runtime")
         daemon = group.create_task(checks.daemon_check(settings.daemon_url), name="doctor-daemon")
+        held = group.create_task(asyncio.to_thread(
+            enforcement.enforcement_checks, gpus, host, checks.layer_holds(settings.vulkan_layer_dir, found)),
+            name="doctor-enforced-by")
     return [
         *results,
         agent.result(),
@@ -41,6 +44,7 @@ async def checkup(settings: Settings) -> list[Result]:
         *(drivers.result() if gpus else []),
         *window.window_checks(gpus, checks.slice_sizes(found), host),
         checks.layer_check(settings.vulkan_layer_dir),
+        *held.result(),
         daemon.result(),
     ]
 

@@ -230,6 +230,12 @@ def layer_check(directory: Path | None) -> Result:
     return ok(check, f"installed in {directory}; {len(allocations)} allocation(s) held to their slices")
 
 
+def layer_holds(directory: Path | None, found: Discovered | None) -> bool:
+    """Whether a daemon with this --vulkan-layer-dir and config holds slices with the layer."""
+    enforce = found.config.sharing.enforce_memory if found is not None else True
+    return directory is not None and enforce and not missing_files()
+
+
 def _icd_name(manifest: Path) -> str:
     try:
         document = json.loads(manifest.read_text(encoding="utf-8"))

@@ -9,6 +9,7 @@ the publisher converges once the API is back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     except UnusableCheckpoint as exc:
         raise StartupError(str(exc)) from exc
     enforcement = await install_layer(serving.vulkan_layer_dir)
-    metrics.slices_enforced.set(int(enforcement.enforced))
+    metrics.enforced(enforcement.enforced)
     state = DraState(inventory, options.node_name, serving.cdi_dir, checkpoint, kube, layer=enforcement.layer)
     restored = await state.restore()
     if restored:
@@ -136,7 +137,8 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     registration = PluginRegistration(PLUGIN_TYPE, driver, dra_socket, SUPPORTED_VERSIONS, "DRA driver")
     registration_endpoint = UnixEndpoint(options.registry_dir / f"{driver}-reg.sock", registration.add_to,
                                          STOP_GRACE_S)
-    publisher = SlicePublisher(kube, inventory, pool_content, options.node_name, metrics, registration.confirmed)
+    publisher = SlicePublisher(kube, inventory, functools.partial(pool_content, layer=enforcement.enforced),
+                               options.node_name, metrics, registration.confirmed)
 
     def waiting_for() -> str | None:
         if not registration.registered:
@@ -148,7 +150,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         return None if note is None else f"{READY_NOTE}{note}"
 
     http.readiness = waiting_for
-    http.records = lambda: gpu_records(inventory.snapshot)
+    http.records = lambda: gpu_records(inventory.snapshot, enforcement.enforced)
     http.slices = lambda: slice_records(state)
 
     runtime.spawn("kubelet-services", serve_and_register(dra_endpoint, registration_endpoint, f"DRA driver {driver}"))

@@ -27,6 +27,8 @@ from gpuppetti.core.kubeobjects import (
 from gpuppetti.core.model import Gpu, Health
 from gpuppetti.kit.publisher import PoolContent
 from gpuppetti.node.inventory import Snapshot
+from gpuppetti.node.report import layer_would_hold
+from gpuppetti.sharing.limits import gpu_enforced_by
 from gpuppetti.sharing.pool import Capacity, PoolDevice
 
 MAX_DEVICES = 128
@@ -43,7 +45,13 @@ def _semver(version: str) -> str:
     return ".".join(p if p.isdigit() else "0" for p in parts)
 
 
-def _attributes(gpu: Gpu) -> dict[str, Attribute]:
+# What holds a slice of the device to its memory (sharing.limits): `vulkan-layer`, `nvml`, `dmem`, a combination
+# joined by `+`, or `none`; a claim selects held devices with CEL, e.g.
+# device.attributes["gpu.gpuppetti.dev"].enforcedBy != "none". A C identifier, as the API wants attribute names.
+ENFORCED_BY = "enforcedBy"
+
+
+def _attributes(gpu: Gpu, layer: bool) -> dict[str, Attribute]:
     attributes: dict[str, Attribute] = {
         "vendor": {"string": gpu.vendor.value},
         "model": {"string": gpu.model[:MAX_STRING]},
@@ -51,6 +59,7 @@ def _attributes(gpu: Gpu) -> dict[str, Attribute]:
         "index": {"int": gpu.index},
         "backend": {"string": gpu.backend},
         "driverVersion": {"version": _semver(__version__)},
+        ENFORCED_BY: {"string": gpu_enforced_by(gpu, layer)},
     }
     if gpu.cores is not None:
         attributes["cores"] = {"int": gpu.cores}
@@ -128,7 +137,9 @@ def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driv
     return body
 
 
-def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
+def pool_content(snapshot: Snapshot, node: str, layer: bool | None = None) -> PoolContent:
+    """``layer``: whether the driver installed the Vulkan layer (None: as this installation and config would)."""
+    holds = layer_would_hold(snapshot.config) if layer is None else layer and snapshot.config.sharing.enforce_memory
     driver = snapshot.config.dra.driver_name
     pool = snapshot.pool
     shared = _Shared()
@@ -148,7 +159,7 @@ def pool_content(snapshot: Snapshot, node: str) -> PoolContent:
             for device in listed[start:start + per_slice]:
                 gpu = snapshot.gpus[device.gpu_id]
                 if gpu.id not in attributes:
-                    attributes[gpu.id] = _attributes(gpu)
+                    attributes[gpu.id] = _attributes(gpu, holds)
                 devices.append(_device(device, gpu, attributes[gpu.id], driver, shared))
             yield {"devices": devices}
 

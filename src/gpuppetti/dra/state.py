@@ -32,6 +32,7 @@ from gpuppetti.node.kube import ApiError, NotFound
 from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
 from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
+from gpuppetti.sharing.limits import with_limits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 
 log = logging.getLogger(__name__)
@@ -150,12 +151,14 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
         settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
         cdi_name = f"claim-{claim.uid}-{request}"
         edits = claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)
-        budgets = share_budgets(shares, enforce) if layer is not None and enforce else []
+        budgets = share_budgets(shares, enforce) if enforce else []
         if budgets and layer is not None:
             # Every container of the claim mounts the request's one directory: they share its budget.
             allocation_id = layer_allocation(claim.uid, request)
             edits.merge(layer.edits(allocation_id, budgets))
             allocations[allocation_id] = [budget.memory for budget in budgets]
+        if budgets:
+            edits = with_limits(edits, budgets, layer.path if layer is not None else None)
         cdi_devices.append((cdi_name, edits))
         for position, share in enumerate(shares):
             # One CDI device per request carries the edits of all its GPUs, so a container that gets the

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.vulkanlayer import SliceUse
+from gpuppetti.sharing.limits import gpu_enforced_by
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -59,9 +60,11 @@ class _SliceCollector(Collector):
 class _InventoryCollector(Collector):
     """Reads the inventory at scrape time, so that nothing has to remember to update a gauge."""
 
-    def __init__(self, inventory: Callable[[], Inventory | None], claims: Callable[[], ClaimCounts | None]) -> None:
+    def __init__(self, inventory: Callable[[], Inventory | None], claims: Callable[[], ClaimCounts | None],
+                 layer: Callable[[], tuple[bool, bool]]) -> None:
         self._inventory = inventory
         self._claims = claims
+        self._layer = layer
 
     def collect(self) -> Iterator[Any]:
         found = self._inventory()
@@ -77,7 +80,14 @@ class _InventoryCollector(Collector):
         slice_memory = GaugeMetricFamily("gpuppetti_slice_memory_bytes",
                                          "The memory of one slice of a shared GPU: what the Vulkan layer holds a "
                                          "container given that slice to", labels=["resource", "gpu"])
+        enforced_by = GaugeMetricFamily("gpuppetti_gpu_enforced_by", "1 for what holds a slice of the GPU to its "
+                                        "memory: vulkan-layer, nvml, dmem, a combination, or none",
+                                        labels=["gpu", "enforced_by"])
         if inventory is not None:
+            installed, hooks = self._layer()
+            layer = installed and inventory.config.sharing.enforce_memory
+            for gpu in inventory.gpus.values():
+                enforced_by.add_metric([gpu.id, gpu_enforced_by(gpu, layer, hooks)], 1)
             counts: dict[tuple[str, str, str, str], int] = {}
             for gpu in inventory.gpus.values():
                 key = (gpu.vendor.value, gpu.model, str(gpu.health), gpu.backend)
@@ -98,7 +108,7 @@ class _InventoryCollector(Collector):
                         slice_memory.add_metric([name, gpu_id], first.size.memory)
                 for health, count in per_health.items():
                     units.add_metric([name, health], count)
-        yield from (gpus, units, utilization, memory_used, slice_memory)
+        yield from (gpus, units, utilization, memory_used, slice_memory, enforced_by)
         claims = self._claims()
         if claims is not None:
             yield GaugeMetricFamily("gpuppetti_dra_prepared_claims", "Claims the DRA driver holds as prepared",
@@ -115,7 +125,9 @@ class Metrics:
         self._inventory: Inventory | None = None
         self._claims: ClaimCounts | None = None
         self._slices: SliceUses | None = None
-        self.registry.register(_InventoryCollector(lambda: self._inventory, lambda: self._claims))
+        self._layer = (False, True)
+        self.registry.register(_InventoryCollector(lambda: self._inventory, lambda: self._claims,
+                                                   lambda: self._layer))
         self.registry.register(_SliceCollector(lambda: self._slices))
         self.allocate_requests = Counter(
             "gpuppetti_allocate_requests", "Device plugin Allocate calls", ["resource", "result"],
@@ -147,6 +159,12 @@ class Metrics:
         self.slices_enforced = Gauge(
             "gpuppetti_slices_enforced", "1 where containers are held to their slices (the Vulkan layer is "
             "installed), 0 where they are not: /healthz says why", registry=self.registry)
+
+    def enforced(self, layer: bool, hooks: bool = True) -> None:
+        """Whether the daemon installed the Vulkan layer: said by itself, and in what holds each GPU's slices
+        (``hooks``: whether its front end hands containers hooks; the device plugin does not)."""
+        self._layer = (layer, hooks)
+        self.slices_enforced.set(int(layer))
 
     def watch(self, inventory: Inventory) -> None:
         self._inventory = inventory

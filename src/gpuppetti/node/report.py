@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpuppetti.base.quantity import format_bytes
+from gpuppetti.core.config import Config
 from gpuppetti.core.model import Gpu
 from gpuppetti.node.inventory import Snapshot
 from gpuppetti.node.metrics import SLICE_LABELS, SliceUses
+from gpuppetti.node.vulkanlayer import missing_files
+from gpuppetti.sharing.limits import gpu_enforced_by
 
 if TYPE_CHECKING:
     # The daemons serve records, never tables: rich is loaded by the commands that print.
@@ -24,8 +27,14 @@ def _advertised(snapshot: Snapshot) -> dict[str, tuple[str, int, int | None]]:
     return per_gpu
 
 
+def layer_would_hold(config: Config) -> bool:
+    """Whether a daemon of this installation and config holds slices with the Vulkan layer: what the commands
+    that run no daemon say (a daemon knows, once it installed the layer)."""
+    return config.sharing.enforce_memory and not missing_files()
+
+
 def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
-               slice_memory: int | None = None) -> dict[str, Any]:
+               slice_memory: int | None = None, layer: bool = False, hooks: bool = True) -> dict[str, Any]:
     return {
         "id": gpu.id,
         "index": gpu.index,
@@ -49,6 +58,8 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
         "replicas": replicas,
         # What the Vulkan layer holds a container given one slice to; None for a whole GPU.
         "slice_memory_bytes": slice_memory,
+        # What holds a slice of it to its memory: vulkan-layer, nvml, dmem, a combination, or none.
+        "enforced_by": gpu_enforced_by(gpu, layer, hooks),
     }
 
 
@@ -63,12 +74,15 @@ def slice_records(source: SliceUses | None) -> list[dict[str, Any]]:
     return records
 
 
-def gpu_records(snapshot: Snapshot) -> list[dict[str, Any]]:
+def gpu_records(snapshot: Snapshot, layer: bool | None = None, hooks: bool = True) -> list[dict[str, Any]]:
+    """``layer``: whether the daemon installed the Vulkan layer (None: as this installation and config would);
+    ``hooks``: whether its front end hands containers hooks (the device plugin does not)."""
     advertised = _advertised(snapshot)
+    holds = layer_would_hold(snapshot.config) if layer is None else layer and snapshot.config.sharing.enforce_memory
     records = []
     for gpu in snapshot.gpus.values():
         resource, replicas, memory = advertised.get(gpu.id, (None, None, None))
-        records.append(gpu_record(gpu, resource, replicas, memory))
+        records.append(gpu_record(gpu, resource, replicas, memory, holds, hooks))
     return records
 
 
@@ -93,7 +107,8 @@ def print_gpus(console: Console, records: list[dict[str, Any]], title: str = "GP
 
     # The order of the columns; their ranks say which go first when the width is short.
     columns = [Column("GPU"), Column("model", 9), Column("resource", 8), Column("slices", 6, "right"),
-               Column("slice memory", 6, "right"), Column("health", 4), Column("memory", 5, "right"),
+               Column("slice memory", 6, "right"), Column("enforced by", 6), Column("health", 4),
+               Column("memory", 5, "right"),
                Column("device nodes", 7),
                Column("cores", 3, "right"), Column("vendor", 2), Column("NUMA", 2, "right"), Column("backend", 1),
                Column("facts", 1)]
@@ -104,6 +119,7 @@ def print_gpus(console: Console, records: list[dict[str, Any]], title: str = "GP
             record["resource"] or "-",
             str(record["replicas"] or "-"),
             format_bytes(record.get("slice_memory_bytes")),
+            record.get("enforced_by") or "-",
             record["health"],
             format_bytes(record["memory_bytes"]),
             "\n".join(record["device_nodes"]) or "-",

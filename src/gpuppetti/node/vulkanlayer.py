@@ -6,24 +6,42 @@ a directory of its own under ``allocations/``, with one accounting file per GPU 
 native/vulkan-layer/accounting.h), and its container gets read-only mounts of the manifest (into the standard
 implicit layer directory: Debian 12's loader ignores VK_ADD_LAYER_PATH for implicit layers), the library and the
 probe, a read-write mount of its allocation directory, and the env that names its slices.
+
+The allocation directory is the tenant's: nothing in it is trusted. What the daemon knows of an allocation (the
+units it was made for) it keeps in ``records/``, beside ``allocations/`` and mounted into no container. Where the
+daemon may mount and its mounts reach the container runtime, each allocation directory is a tmpfs of its own, just
+large enough for its accounting files, so that a tenant cannot fill the node's disk through it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
-import shutil
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.base.fsutil import atomic_write, create_file, make_directory, read_untrusted, read_untrusted_spans
+from gpuppetti.base.fsutil import (
+    atomic_write,
+    create_file,
+    is_mount_point,
+    make_directory,
+    mount_tmpfs,
+    mounts_propagate,
+    read_untrusted,
+    read_untrusted_spans,
+    remove_file,
+    remove_tree,
+    unmount,
+)
 from gpuppetti.core.model import ContainerEdits, Mount
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
+from gpuppetti.sharing.limits import DMEM_HOOK
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +50,14 @@ LIBRARY = "libVkLayer_gpuppetti.so"
 PROBE = "gpuppetti-vkinfo"
 MANIFEST = "VkLayer_gpuppetti.json"
 ALLOCATIONS = "allocations"
-# In a device plugin allocation's directory: the units it was made for, one per line.
-UNITS = "units"
-UNITS_LIMIT = 1 << 20
+# The daemon's own record of each allocation (the units it was made for, one per line): root's, in no container.
+RECORDS = "records"
+RECORD_LIMIT = 1 << 20
+# An allocation directory's own tmpfs: room for its accounting files and this much more, and this many files more
+# than it holds (what a tenant may write there at most).
+TMPFS_MARGIN = 64 << 10
+TMPFS_SPARE_FILES = 16
+PAGE = 4096
 # Where the built layer is, inside the package.
 BUILT = Path(__file__).resolve().parent.parent / "_native"
 
@@ -175,13 +198,19 @@ def compute_env(budgets: Sequence[Budget]) -> str | None:
 
 @dataclass(frozen=True)
 class LayerDir:
-    """The node's layer directory: the installed layer, and one directory per allocation."""
+    """The node's layer directory: the installed layer, one directory per allocation, and the daemon's record of
+    each. ``bounded``: each allocation directory is a tmpfs of its own (see ``why_unbounded``)."""
 
     path: Path
+    bounded: bool = False
 
     @property
     def allocations(self) -> Path:
         return self.path / ALLOCATIONS
+
+    @property
+    def records(self) -> Path:
+        return self.path / RECORDS
 
     def install(self, built: Path = BUILT) -> None:
         """Copy the built layer and probe in, and write the manifest. Blocks (file I/O): run it in a thread.
@@ -193,16 +222,39 @@ class LayerDir:
         try:
             make_directory(self.path, 0o755)
             make_directory(self.allocations, 0o755)
+            make_directory(self.records, 0o700)
             for name in (LIBRARY, PROBE):
                 atomic_write(self.path / name, (built / name).read_bytes(), 0o755)
             atomic_write(self.path / MANIFEST, json.dumps(manifest(), indent=2).encode() + b"\n", 0o644)
+            # The dmem hook, which a claim's CDI spec names where the kernel holds slices too.
+            atomic_write(self.path / DMEM_HOOK, (Path(__file__).parent / "dmem_hook.py").read_bytes(), 0o755)
         except OSError as exc:
             raise LayerUnavailable(f"cannot install the Vulkan layer in {self.path}: {exc.strerror or exc}") from exc
 
+    def why_unbounded(self) -> str | None:
+        """Why allocation directories cannot each be a tmpfs here; None where they can: the daemon may mount, and
+        its mounts reach the container runtime. Blocks: run it in a thread."""
+        if not mounts_propagate(self.allocations):
+            return (f"{self.allocations} is not on a shared mount, so a mount made there would not reach the "
+                    "containers (in a DaemonSet: mountPropagation Bidirectional on the layer directory's volume)")
+        probe = self.path / ".mount-check"
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(probe, 0o700)
+            mount_tmpfs(probe, PAGE, 2)
+            unmount(probe)
+        except OSError as exc:
+            return f"the daemon may not mount a tmpfs ({exc.strerror or exc}; it needs CAP_SYS_ADMIN)"
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(probe)
+        return None
+
     def create(self, allocation: str, memories: Sequence[int], units: Sequence[str] = (), fresh: bool = True) -> Path:
-        """The allocation's directory, with an accounting file per GPU (one per budget, in order). ``fresh``
-        starts each from zero; otherwise a file that is there is kept (a restarted driver must not forget what
-        running containers hold). Blocks: run it in a thread. Raises OSError, or ValueError for a bad id."""
+        """The allocation's directory, with an accounting file per GPU (one per budget, in order), and the record
+        of the ``units`` it is for. ``fresh`` starts each from zero; otherwise a file that is there is kept (a
+        restarted driver must not forget what running containers hold). Blocks: run it in a thread. Raises
+        OSError, or ValueError for a bad id."""
         if not _ALLOCATION_ID.match(allocation):
             raise ValueError(f"not an allocation id: {allocation[:80]!r}")
         # On the device plugin's Allocate path: a few system calls, no temporary files. Nothing reads these files
@@ -213,6 +265,8 @@ class LayerDir:
             os.chmod(directory, 0o755)
         except FileExistsError:
             pass
+        if self.bounded:
+            self._bound(directory, len(memories), fresh)
         for index, memory in enumerate(memories):
             path = os.path.join(directory, f"slice-{index}.acct")
             if not fresh and _holds_header(path):
@@ -223,12 +277,51 @@ class LayerDir:
             # Any user a container runs as counts in it.
             create_file(path, _header(memory), 0o666, ACCT_FILE_SIZE)
         if units:
-            create_file(os.path.join(directory, UNITS), ("\n".join(units) + "\n").encode(), 0o644)
+            record = os.path.join(self.records, allocation)
+            data = ("\n".join(units) + "\n").encode()
+            try:
+                create_file(record, data, 0o600)
+            except FileNotFoundError:
+                make_directory(self.records, 0o700)
+                create_file(record, data, 0o600)
         return Path(directory)
 
-    def remove(self, allocation: str) -> None:
-        if _ALLOCATION_ID.match(allocation):
-            shutil.rmtree(self.allocations / allocation, ignore_errors=True)
+    @staticmethod
+    def _bound(directory: str, slices: int, fresh: bool) -> None:
+        """Give ``directory`` a tmpfs of its own, sized for ``slices`` accounting files; a fresh one where
+        ``fresh`` (whatever a tenant left goes), the one there otherwise."""
+        if is_mount_point(directory):
+            if not fresh:
+                return
+            unmount(directory)
+        elif not fresh and any(os.scandir(directory)):
+            # Files a running container counts in, from before the daemon bounded directories: kept as they are.
+            return
+        pages = -(-ACCT_FILE_SIZE // PAGE)
+        mount_tmpfs(directory, slices * pages * PAGE + TMPFS_MARGIN, slices + TMPFS_SPARE_FILES)
+
+    def remove(self, allocation: str) -> bool:
+        """Remove the allocation's directory (its tmpfs first) and its record; whether that is done. What cannot
+        go yet (a file that cannot be removed, more entries than one call takes) is logged and left for a later
+        call. Never raises. Blocks: run it in a thread. A bounded directory is a mount point, which rename(2)
+        refuses (EBUSY): it goes through here, not by moving it elsewhere first."""
+        if not _ALLOCATION_ID.match(allocation):
+            return True
+        directory = os.path.join(self.allocations, allocation)
+        why: str | None = None
+        if is_mount_point(directory):
+            try:
+                unmount(directory)
+            except OSError as exc:
+                why = f"cannot unmount it: {exc.strerror or exc}"
+        why = remove_tree(directory) or why
+        if why is not None:
+            log.warning("the layer directory of allocation %s is not all removed yet (%s): tried again later",
+                        allocation, why)
+            return False
+        with contextlib.suppress(OSError):
+            remove_file(self.records / allocation)
+        return True
 
     def usage(self, allocation: str, slices: int = MAX_SLICES_READ) -> list[SliceUse]:
         """Each slice of an allocation (the first ``slices`` where the caller knows how many), as its accounting
@@ -245,7 +338,8 @@ class LayerDir:
         return uses
 
     def existing(self) -> dict[str, list[str]]:
-        """Each allocation directory, with the units it was made for (none for a DRA claim's)."""
+        """Each allocation directory, with the units the daemon recorded it was made for (none for a DRA claim's,
+        nor for one an earlier version made, which kept them where the tenant could rewrite them)."""
         found: dict[str, list[str]] = {}
         try:
             entries = list(os.scandir(self.allocations))
@@ -254,8 +348,7 @@ class LayerDir:
         for entry in entries:
             if not entry.is_dir(follow_symlinks=False):
                 continue
-            # The container that has the directory can write in it: read what is there with care.
-            units = read_untrusted(os.path.join(entry.path, UNITS), UNITS_LIMIT) or b""
+            units = read_untrusted(os.path.join(self.records, entry.name), RECORD_LIMIT) or b""
             found[entry.name] = units.decode(errors="replace").split()
         return found
 
@@ -288,4 +381,10 @@ async def install_layer(directory: Path | None) -> Enforcement:
         short = "this installation has no built Vulkan layer" if missing_files() else str(exc)
         return Enforcement(None, short)
     log.info("slices are enforced through the Vulkan layer in %s", directory)
+    if (why := await asyncio.to_thread(layer.why_unbounded)) is None:
+        layer = LayerDir(directory, bounded=True)
+        log.info("each allocation directory is a tmpfs of its own, sized for its accounting files")
+    else:
+        log.warning("allocation directories are not bounded: a container can fill the disk of %s through its own: "
+                    "%s", directory, why)
     return Enforcement(layer, f"the Vulkan layer in {directory}")
