@@ -68,7 +68,7 @@ e2e: $(STAMP) native
 	$(BIN)/python -m pytest tests/e2e
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests tools bench
+	$(BIN)/ruff check setup.py src tests tools bench
 	$(BIN)/lint-imports --no-logo --no-cache
 
 typecheck: $(STAMP)
@@ -79,16 +79,45 @@ deploy: $(STAMP)
 	$(BIN)/python tools/gen_chart.py
 	$(BIN)/python tools/gen_dashboard.py
 
+# PLATFORMS=linux/amd64,linux/arm64: one manifest list named IMAGE holding an image per platform, each built on this
+# machine without emulation (the Dockerfile cross-compiles; podman). IMAGE_BUILD_FLAGS: more of the build's flags
+# (--build-arg BASE_IMAGE=..., BUILD_IMAGE=...).
+PLATFORMS ?=
+IMAGE_BUILD_FLAGS ?=
+# Podman 4.3 does not set BUILDPLATFORM, which the build stage runs on: this machine's.
+BUILD_PLATFORM ?= linux/$(shell uname -m | sed 's/^x86_64$$/amd64/; s/^aarch64$$/arm64/')
 image:
-	$(CONTAINER_TOOL) build -t $(IMAGE) .
+ifeq ($(PLATFORMS),)
+	$(CONTAINER_TOOL) build $(IMAGE_BUILD_FLAGS) -t $(IMAGE) .
+else
+	@case "$(CONTAINER_TOOL)" in *podman*) ;; *) echo "make image PLATFORMS=...: podman builds the manifest list" \
+	  "(docker: docker buildx build --platform $(PLATFORMS) -t $(IMAGE) --push .)" >&2; exit 2 ;; esac
+	-$(CONTAINER_TOOL) manifest rm $(IMAGE) >/dev/null 2>&1
+	$(CONTAINER_TOOL) build $(IMAGE_BUILD_FLAGS) --build-arg BUILDPLATFORM=$(BUILD_PLATFORM) --platform $(PLATFORMS) \
+	  --manifest $(IMAGE) .
+endif
 
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py
 
-# What users install: an sdist and a wheel (built from that sdist), each carrying the layer, in dist/.
+# What users install, in dist/: an sdist, and from it one wheel per architecture of DIST_ARCHES, each carrying the layer
+# and its probe compiled for that architecture by its $(arch)-linux-gnu-gcc (a cross compiler where it is not this
+# machine's: Debian's gcc-aarch64-linux-gnu with libvulkan-dev:arm64). auditwheel then gives each wheel the lowest
+# manylinux tag its binaries satisfy (dist/gpuppetti-VERSION-py3-none-manylinux_2_N_ARCH.whl); the probe's
+# libvulkan.so.1 is the system's Vulkan loader, never one carried in the wheel.
+DIST_ARCHES ?= x86_64 aarch64
 dist: $(STAMP)
 	rm -rf dist
-	GPUPPETTI_REQUIRE_LAYER=1 $(BIN)/python -m build --no-isolation --outdir dist .
+	GPUPPETTI_REQUIRE_LAYER=1 $(BIN)/python -m build --no-isolation --sdist --outdir dist .
+	@set -e; for arch in $(DIST_ARCHES); do \
+	  command -v $$arch-linux-gnu-gcc >/dev/null || { echo "make dist: no $$arch-linux-gnu-gcc for the $$arch wheel" \
+	    "(Debian: gcc-$$(echo $$arch | tr _ -)-linux-gnu, and libvulkan-dev for that architecture)" >&2; exit 1; }; \
+	  echo "building the $$arch wheel from the sdist (CC=$$arch-linux-gnu-gcc)"; \
+	  CC=$$arch-linux-gnu-gcc GPUPPETTI_REQUIRE_LAYER=1 $(BIN)/python -m pip wheel --quiet --no-deps \
+	    --no-build-isolation --no-cache-dir --wheel-dir dist/linux-$$arch dist/gpuppetti-*.tar.gz; \
+	done
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel repair --exclude libvulkan.so.1 --wheel-dir dist dist/linux-*/*.whl
+	rm -rf dist/linux-*
 
 # Every build output: the venv, caches, the layer (in the package and in its own directory), the package builds.
 clean:

@@ -6,6 +6,8 @@ wheel's dependencies into a fresh venv does (PyPI, as the Dockerfile's build doe
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +16,7 @@ import venv
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 NATIVE = ("gpuppetti/_native/libVkLayer_gpuppetti.so", "gpuppetti/_native/gpuppetti-vkinfo")
@@ -88,3 +91,101 @@ def venv_with(wheel: Path, destination: Path, compile: bool = True) -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"installing {wheel.name} into a fresh venv failed:\n{result.stderr[-2000:]}")
     return destination
+
+
+# -- the wheels `make dist` writes, one per architecture, and what their ELF files need --------------------------------
+DIST_ARCHES = ("x86_64", "aarch64")
+# ELF's e_machine for each wheel architecture.
+ELF_MACHINES = {"x86_64": "EM_X86_64", "aarch64": "EM_AARCH64"}
+# The probe's Vulkan loader is the system's (the one the GPU's driver is installed for): never carried in a wheel.
+SYSTEM_LIBRARIES = frozenset({"libvulkan.so.1"})
+
+
+def cross_compiler(arch: str) -> str:
+    return f"{arch}-linux-gnu-gcc"
+
+
+def why_no_dist() -> str | None:
+    """Why `make dist` cannot build every architecture's wheel here, or None."""
+    if (reason := why_no_build()) is not None:
+        return reason
+    if shutil.which("make") is None:
+        return "no make here"
+    for arch in DIST_ARCHES:
+        if shutil.which(cross_compiler(arch)) is None:
+            return f"no {cross_compiler(arch)} here (Debian: gcc-{arch.replace('_', '-')}-linux-gnu)"
+        if not Path(f"/usr/lib/{arch}-linux-gnu/libvulkan.so").exists():
+            return f"no libvulkan-dev for {arch} here (Debian: libvulkan-dev as a foreign architecture)"
+    return None
+
+
+def make_dist(source: Path) -> subprocess.CompletedProcess[str]:
+    """`make dist` in source, with this interpreter's venv (which has the dev extras) as its venv."""
+    venv_dir = Path(sys.prefix)
+    return _run(["make", "--no-print-directory", "-o", str(venv_dir / ".installed"), f"VENV={venv_dir}", "dist"],
+                source)
+
+
+@dataclass(frozen=True)
+class ElfFacts:
+    machine: str
+    needed: frozenset[str]
+    # Per library, the symbol versions it must define (GLIBC_2.34, ...).
+    versions: dict[str, frozenset[str]]
+
+
+def elf_facts(data: bytes) -> ElfFacts:
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.gnuversions import GNUVerNeedSection
+
+    elf = ELFFile(io.BytesIO(data))
+    needed: set[str] = set()
+    versions: dict[str, frozenset[str]] = {}
+    for section in elf.iter_sections():
+        if isinstance(section, DynamicSection):
+            # pyelftools gives a DT_NEEDED tag its library's name as an attribute of that kind of tag alone.
+            needed |= {str(tag.needed) for tag in section.iter_tags()  # type: ignore[attr-defined]
+                       if tag.entry.d_tag == "DT_NEEDED"}
+        elif isinstance(section, GNUVerNeedSection):
+            for verneed, auxiliaries in section.iter_versions():
+                versions[str(verneed.name)] = frozenset(str(aux.name) for aux in auxiliaries)
+    return ElfFacts(str(elf.header["e_machine"]), frozenset(needed), versions)
+
+
+def native_files(wheel: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(wheel) as archive:
+        return {name: archive.read(name) for name in NATIVE}
+
+
+def manylinux_policies() -> list[dict[str, Any]]:
+    """The manylinux policies (PEP 600), most compatible first, as auditwheel holds them."""
+    from importlib.resources import files
+
+    policies: list[dict[str, Any]] = json.loads((files("auditwheel.policy") / "manylinux-policy.json").read_text())
+    return sorted((p for p in policies if p["name"].startswith("manylinux_")), key=lambda p: -int(p["priority"]))
+
+
+def _fits(policy: dict[str, Any], arch: str, facts: ElfFacts) -> bool:
+    allowed = policy["symbol_versions"].get(arch)
+    # The dynamic linker is glibc's own (auditwheel's policies take it beside libc.so.6 without listing it).
+    others = {name for name in facts.needed if not name.startswith(("ld-linux", "ld64.so."))}
+    if allowed is None or not others <= set(policy["lib_whitelist"]) | SYSTEM_LIBRARIES:
+        return False
+    for library, versions in facts.versions.items():
+        if library in SYSTEM_LIBRARIES:
+            continue
+        for version in versions:
+            family, _, number = version.partition("_")
+            if number not in allowed.get(family, ()):
+                return False
+    return True
+
+
+def lowest_manylinux(arch: str, elves: list[ElfFacts]) -> str | None:
+    """The most compatible manylinux tag every one of the ELF files satisfies (its libraries and symbol versions), or
+    None."""
+    for policy in manylinux_policies():
+        if all(_fits(policy, arch, facts) for facts in elves):
+            return f"{policy['name']}_{arch}"
+    return None

@@ -3,7 +3,11 @@ from the sdist, each from a clean clone of HEAD; and a build that cannot make th
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -89,3 +93,64 @@ def test_the_installed_wheel_delivers_the_layer(clean_wheel: Path, tmp_path: Pat
     probe = subprocess.run([str(layer_dir / "gpuppetti-vkinfo"), "--help"], capture_output=True, text=True,
                            timeout=30, check=False)
     assert probe.returncode == 0, probe.stderr
+
+
+def test_the_layer_is_built_without_make(clone: Path, tmp_path: Path) -> None:
+    """`pip install .` where make is not installed: setup.py compiles the two targets with the compiler alone."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "make").write_text("#!/bin/sh\necho 'make: not installed here' >&2\nexit 127\n")
+    (shims / "make").chmod(0o755)
+    result = pip_wheel(clone, tmp_path / "out", env={"PATH": f"{shims}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert_carries_layer(only(tmp_path / "out", "gpuppetti-*.whl"))
+
+
+def test_setup_compiles_what_the_makefile_would() -> None:
+    """One place holds the flags and sources: setup.py reads the Makefile's, and runs the very lines make runs."""
+    import setup
+
+    out = Path("/nonexistent/out")
+    shown = subprocess.run(["make", "--no-print-directory", "-n", "-B", "-C", str(setup.NATIVE_SOURCE), f"OUT={out}",
+                            "CC=cc", "CFLAGS=-O2"], capture_output=True, text=True, timeout=60, check=True)
+    compiles = [line for line in shown.stdout.splitlines() if line.startswith("cc ")]
+    ours = [shlex.join(command) for command, _ in setup.compile_commands(out, cc=["cc"], cflags=["-O2"])]
+    assert compiles == ours
+
+
+def test_without_a_compiler_the_install_succeeds_and_the_package_says_why(clone: Path, tmp_path: Path) -> None:
+    """pip hides the build's warning: the installed package says it when the plugin starts, and doctor the fix."""
+    result = pip_wheel(clone, tmp_path / "out", env={"GPUPPETTI_REQUIRE_LAYER": "0", "CC": "/nonexistent/cc"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    wheel = only(tmp_path / "out", "gpuppetti-*.whl")
+    assert not set(NATIVE) & set(members(wheel))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target",
+                    str(site), str(wheel)], check=True, capture_output=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    why = "no C compiler '/nonexistent/cc'"
+
+    node = tmp_path / "node"
+    plugin = subprocess.Popen([sys.executable, "-m", "gpuppetti", "plugin", "--backend", "simulated",
+                               "--device-plugin-dir", str(node / "dp"), "--cdi-dir", str(node / "cdi"),
+                               "--vulkan-layer-dir", str(node / "vulkan"), "--http-address", "127.0.0.1:0"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert plugin.stderr is not None
+        said: list[str] = []
+        for line in plugin.stderr:
+            said.append(line)
+            if "slices are not enforced" in line:
+                break
+    finally:
+        plugin.terminate()
+        plugin.wait(timeout=30)
+    [warning] = [line for line in said if "slices are not enforced" in line]
+    assert why in warning and str(site) in warning and "C compiler and libvulkan-dev" in warning
+
+    doctor = subprocess.run([sys.executable, "-m", "gpuppetti", "doctor", "--backend", "simulated",
+                             "--vulkan-layer-dir", str(node / "vulkan"), "--json"],
+                            env=env, capture_output=True, text=True, timeout=120, check=False)
+    [check] = [c for c in json.loads(doctor.stdout) if c["check"] == "Vulkan layer"]
+    assert why in check["detail"], check
+    assert "pip install --force-reinstall" in check["fix"], check

@@ -25,7 +25,16 @@ from gpuppetti.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.hostagent.client import AgentError
 from gpuppetti.node.daemon import Discovered, Sources, host_agent, load_and_discover, nothing_found
 from gpuppetti.node.inventory import Inventory
-from gpuppetti.node.vulkanlayer import BUILD_FIX, BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, missing_files
+from gpuppetti.node.vulkanlayer import (
+    BUILD_FIX,
+    BUILT,
+    LIBRARY,
+    MANIFEST,
+    PROBE,
+    LayerDir,
+    missing_files,
+    not_built,
+)
 from gpuppetti.sharing.remarks import config_remarks
 
 SOCKET_TIMEOUT_S = 2.0
@@ -220,8 +229,9 @@ def layer_check(directory: Path | None) -> Result:
     if directory is None:
         return skip(check, "slices are not enforced (--vulkan-layer-dir '')")
     if missing := missing_files():
+        why = not_built()
         return fail(check, f"this installation has no built Vulkan layer ({', '.join(missing)} missing in "
-                    f"{BUILT}): slices are not enforced", BUILD_FIX)
+                    f"{BUILT}{'; ' + why if why else ''}): slices are not enforced", BUILD_FIX)
     installed = [name for name in (MANIFEST, LIBRARY, PROBE) if (directory / name).is_file()]
     if len(installed) < 3:
         return warn(check, f"not installed in {directory} yet: the plugin or driver installs it when it starts",

@@ -85,8 +85,11 @@ _ALLOCATION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 # How to get an installation that has the layer: what `discover`, `doctor` and the daemons tell a user who lacks it.
-BUILD_FIX = ("install gpuppetti from a wheel built where a C compiler and libvulkan-dev are installed (the image "
-             "is), or run `make native` in a checkout")
+BUILD_FIX = ("install a gpuppetti wheel that carries the layer (make dist's manylinux wheels and the image do), or "
+             "install a C compiler and libvulkan-dev (Debian: gcc libvulkan-dev) and reinstall from source "
+             "(pip install --force-reinstall --no-deps . in a checkout, or make native there)")
+# What the package build leaves in place of the layer where it could not build it: why (setup.py writes it).
+NOT_BUILT = "NOT_BUILT"
 
 
 class LayerUnavailable(Exception):
@@ -96,6 +99,15 @@ class LayerUnavailable(Exception):
 def missing_files(built: Path = BUILT) -> list[str]:
     """What this installation lacks of the built layer and its probe (none: it can enforce slices)."""
     return [name for name in (LIBRARY, PROBE) if not (built / name).is_file()]
+
+
+def not_built(built: Path = BUILT) -> str:
+    """Why this installation has no layer, as its build recorded it ("" where it did not: a checkout, say)."""
+    try:
+        why = (built / NOT_BUILT).read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return ""
+    return f"it was built without one ({why[:200]})" if why else ""
 
 
 @dataclass(frozen=True)
@@ -217,8 +229,9 @@ class LayerDir:
         Raises LayerUnavailable."""
         missing = missing_files(built)
         if missing:
+            why = not_built(built)
             raise LayerUnavailable(f"this installation has no built Vulkan layer ({', '.join(missing)} missing in "
-                                   f"{built}); {BUILD_FIX}")
+                                   f"{built}{'; ' + why if why else ''}); {BUILD_FIX}")
         try:
             make_directory(self.path, 0o755)
             make_directory(self.allocations, 0o755)
@@ -378,7 +391,10 @@ async def install_layer(directory: Path | None) -> Enforcement:
         await asyncio.to_thread(layer.install)
     except LayerUnavailable as exc:
         log.warning("slices are not enforced: %s", exc)
-        short = "this installation has no built Vulkan layer" if missing_files() else str(exc)
+        short = str(exc)
+        if missing_files():
+            why = not_built()
+            short = f"this installation has no built Vulkan layer{': ' + why if why else ''}"
         return Enforcement(None, short)
     log.info("slices are enforced through the Vulkan layer in %s", directory)
     if (why := await asyncio.to_thread(layer.why_unbounded)) is None:
