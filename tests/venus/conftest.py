@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.apps.support import WGPU
+from tests.packaging import clean_clone, make_dist, only, why_no_dist
 from tests.venus import venusnode
 from tests.venus.venusnode import TIMINGS, Batch, CannotRun, Guest
 
@@ -67,21 +68,55 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
-def guest(request: pytest.FixtureRequest) -> Iterator[Guest]:
-    """The chroot with this run's wheel installed, held for the whole run (venusnode.machine_lock)."""
+def venus_machine() -> Iterator[None]:
+    """The kit's state directory, held for the whole run (venusnode.machine_lock), once for both guests."""
     reason = venusnode.why_not()
     if reason is not None:
         pytest.skip(f"venus tier skipped: {reason}")
+    with venusnode.machine_lock():
+        yield
+
+
+@pytest.fixture(scope="session")
+def guest(request: pytest.FixtureRequest, venus_machine: None) -> Guest:
+    """The chroot with this run's wheel installed."""
     given = os.environ.get(venusnode.WHEEL_ENV)
     wheel = Path(given) if given else request.getfixturevalue("clean_wheel")
-    with venusnode.machine_lock():
-        try:
-            venusnode.setup()
-            venv = venusnode.install_wheel(wheel)
-            apps = venusnode.install_apps((WGPU,))
-        except CannotRun as exc:
-            pytest.skip(f"venus tier skipped: {exc}")
-        yield Guest(venv, apps)
+    try:
+        venusnode.setup()
+        venv = venusnode.install_wheel(wheel)
+        apps = venusnode.install_apps((WGPU,))
+    except CannotRun as exc:
+        pytest.skip(f"venus tier skipped: {exc}")
+    return Guest(venv, apps)
+
+
+@pytest.fixture(scope="session")
+def aarch64_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The aarch64 wheel `make dist` builds from a clean clone of HEAD: what a Mac's arm64 VM installs."""
+    reason = why_no_dist()
+    if reason is not None:
+        pytest.skip(f"arm64 venus tier skipped: the aarch64 wheel cannot be built here: {reason}")
+    source = clean_clone(tmp_path_factory.mktemp("arm64-dist") / "clone")
+    built = make_dist(source)
+    assert built.returncode == 0, f"make dist failed:\n{built.stdout[-2000:]}{built.stderr[-2000:]}"
+    return only(source / "dist", "gpuppetti-*_aarch64.whl")
+
+
+@pytest.fixture(scope="session")
+def arm64_guest(request: pytest.FixtureRequest) -> Guest:
+    """The arm64 guest's tree with this run's aarch64 wheel and the applications unpacked into it."""
+    reason = venusnode.arm64_why_not()
+    if reason is not None:
+        pytest.skip(f"arm64 venus tier skipped: {reason}")
+    given = os.environ.get(venusnode.ARM64_WHEEL_ENV)
+    wheel = Path(given) if given else request.getfixturevalue("aarch64_wheel")
+    request.getfixturevalue("venus_machine")
+    try:
+        venv, apps = venusnode.install_arm64(wheel, (WGPU,))
+    except CannotRun as exc:
+        pytest.skip(f"arm64 venus tier skipped: {exc}")
+    return Guest(venv, apps)
 
 
 # Boots of a batch's VM before its stalls fail the test.

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -38,7 +39,9 @@ WHEEL_ENV = "GPUPPETTI_VENUS_WHEEL"
 # Debian packages the guest needs beyond the kit's own: podman and runc for the demo's containers (the kit's set
 # already has python3, python3-venv, python3-pip, and busybox, which the containers' image is built from; Debian's
 # busybox-static conflicts with it).
-PACKAGES = ("podman", "runc")
+# qemu-system-arm boots the arm64 guest: in the chroot from the start, so that building the arm64 tree in the
+# background never changes the chroot under a running x86-64 VM.
+PACKAGES = ("podman", "runc", "qemu-system-arm")
 # In the chroot: one venv per wheel (by digest), and the applications' venv.
 VENVS = Path("/opt/gpuppetti-venus")
 APPS_VENV = Path("/opt/gpuppetti-venus-apps")
@@ -51,6 +54,26 @@ UNREACHABLE = re.compile(r"Temporary failure resolving|Could not resolve|Failed 
 STALL = re.compile(r"INFO: task \S+ blocked for more than \d+ seconds|rcu: INFO: rcu_preempt detected stalls")
 _SUMMARY = re.compile(r"\[venusnode\] exit (\d+) after ([0-9.]+)s wall \(guest userspace at ([0-9.]+)s, "
                       r"command ([0-9.]+)s\)")
+
+
+# The arm64 guest (VENUSNODE_ARCH=arm64), a Mac's own architecture: a second tree beside the chroot, built once per
+# machine by booting it emulated for debootstrap's second stage (about 20 minutes, so make test builds it in the
+# background and the arm64 tests run where it is ready). Its guest has no network and no chroot to enter: the
+# aarch64 wheel and its dependencies are unpacked into it from the x86-64 chroot's pip (`pip install --target` for
+# the guest's platform and Python: no arm64 code runs), with small launchers for its own Python.
+ARM64 = "arm64"
+ARM64_TREE = STATE_DIR / "root-arm64"
+ARM64_STAMP = STATE_DIR / "setup-arm64.stamp"
+ARM64_WHEEL_ENV = "GPUPPETTI_VENUS_ARM64_WHEEL"
+ARM64_LOG = STATE_DIR / "setup-arm64.log"
+# In the arm64 tree: one directory per wheel (by digest) and one for the applications, each with bin/python.
+ARM64_SITES = Path("/opt/gpuppetti-venus-arm64")
+ARM64_APPS = Path("/opt/gpuppetti-venus-arm64-apps")
+# In the x86-64 chroot: a venv whose pip downloads for the guest (the same Debian release: the same Python 3.13).
+ARM64_PIP = Path("/opt/gpuppetti-venus-pip")
+GUEST_PYTHON = "3.13"
+# Every manylinux tag an aarch64 wheel may carry that trixie's glibc (2.41) runs.
+ARM64_PLATFORMS = ("manylinux2014_aarch64", *(f"manylinux_2_{minor}_aarch64" for minor in range(17, 42)))
 
 
 class CannotRun(Exception):
@@ -110,6 +133,83 @@ def machine_lock() -> contextlib.AbstractContextManager[None]:
 
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "VENUSNODE_DIR": str(STATE_DIR), **extra}
+
+
+def arm64_why_not() -> str | None:
+    """Why the arm64 guest cannot run here, in one line; None when its tree is ready."""
+    if (reason := why_not()) is not None:
+        return reason
+    if not ARM64_STAMP.is_file() or not ARM64_TREE.is_dir():
+        return (f"the arm64 guest's tree is not built in {STATE_DIR} yet (about 20 minutes once per machine, "
+                f"emulated; make test builds it in the background, its log is {ARM64_LOG})")
+    return None
+
+
+def setup_arm64() -> int:
+    """Build the arm64 guest's tree (the kit's setup with VENUSNODE_ARCH=arm64): at once where it is built, else
+    about 20 minutes, niced. Its output goes to ARM64_LOG; returns setup's exit status."""
+    started = time.monotonic()
+    with ARM64_LOG.open("w") as log:
+        done = subprocess.run([str(KIT / "setup.sh")], env=_env(VENUSNODE_ARCH=ARM64,
+                                                                  VENUSNODE_PACKAGES=" ".join(PACKAGES)),
+                              stdout=log, stderr=subprocess.STDOUT, timeout=7200, check=False)
+    TIMINGS.add("setup.sh, arm64 tree", time.monotonic() - started)
+    return done.returncode
+
+
+def _launchers(site: Path, host: Path) -> None:
+    """bin/python (and bin/gpuppetti where the package is there) for the guest: its own Python with ``site`` on
+    its path, as a venv's would be."""
+    bin_dir = host / "bin"
+    shutil.rmtree(bin_dir, ignore_errors=True)  # pip's scripts name the x86-64 chroot's interpreter
+    bin_dir.mkdir(parents=True)
+    launchers = {"python": 'exec /usr/bin/python3 "$@"'}
+    if (host / "site" / "gpuppetti").is_dir():
+        launchers["gpuppetti"] = 'exec /usr/bin/python3 -m gpuppetti "$@"'
+    for name, line in launchers.items():
+        path = bin_dir / name
+        path.write_text(f'#!/bin/sh\nexport PYTHONPATH="{site}/site"\n{line}\n')
+        path.chmod(0o755)
+
+
+def _pip_for_arm64(target: Path, requirements: tuple[str, ...], binds: tuple[Path, ...]) -> None:
+    """``requirements`` (and their dependencies) unpacked into ``target`` (a path of the arm64 tree, bound into the
+    x86-64 chroot at the same path) for the guest's platform. Raises CannotRun or RuntimeError."""
+    platforms = " ".join(f"--platform {platform}" for platform in ARM64_PLATFORMS)
+    script = (f"[ -x {ARM64_PIP}/bin/pip ] || python3 -m venv {ARM64_PIP} && {ARM64_PIP}/bin/pip install --quiet "
+              f"--disable-pip-version-check --only-binary=:all: --implementation cp --python-version "
+              f"{GUEST_PYTHON} {platforms} --target {target}/site {' '.join(requirements)}")
+    done = chroot("sh", "-c", script, binds=(target, *binds))
+    if done.returncode != 0:
+        raise _pip_failed(" ".join(requirements) + " for arm64", done)
+
+
+def install_arm64(wheel: Path, apps: tuple[str, ...]) -> tuple[Path, Path]:
+    """The aarch64 ``wheel`` and the applications unpacked into the arm64 tree, once per wheel (by digest) and per
+    set of applications. Returns their directories in the guest (each with bin/python, the wheel's with
+    bin/gpuppetti). Raises CannotRun or RuntimeError."""
+    site = ARM64_SITES / wheel_digest(wheel)
+    host = ARM64_TREE / site.relative_to("/")
+    if not (host / ".installed").is_file():
+        started = time.monotonic()
+        shutil.rmtree(ARM64_TREE / ARM64_SITES.relative_to("/"), ignore_errors=True)  # older wheels' go
+        host.mkdir(parents=True)
+        _pip_for_arm64(host, (str(wheel),), (wheel.parent,))
+        _launchers(site, host)
+        (host / ".installed").write_text("")
+        TIMINGS.add(f"pip install {wheel.name} into the arm64 tree", time.monotonic() - started)
+    apps_host = ARM64_TREE / ARM64_APPS.relative_to("/")
+    wanted = "\n".join(apps) + "\n"
+    stamp = apps_host / ".requirements"
+    if not (stamp.is_file() and stamp.read_text() == wanted):
+        started = time.monotonic()
+        shutil.rmtree(apps_host, ignore_errors=True)
+        apps_host.mkdir(parents=True)
+        _pip_for_arm64(apps_host, apps, ())
+        _launchers(ARM64_APPS, apps_host)
+        stamp.write_text(wanted)
+        TIMINGS.add(f"pip install {' '.join(apps)} into the arm64 tree", time.monotonic() - started)
+    return site, ARM64_APPS
 
 
 def _tail(text: str, lines: int = 15) -> str:
@@ -228,19 +328,24 @@ def _stall(runs: Path, before: set[str]) -> str | None:
 
 
 def run_vm(label: str, command: list[str], share: Path, *, hostmem: str = "1G", mem: str = "2G",
-           guest_lavapipe: bool = False, timeout: int = 900) -> GuestRun:
-    """Boot one VM with ``share`` read-write at its own path, run ``command`` in it, power it off. A VM whose guest
-    kernel reports a stall (a task blocked in the virtio-gpu driver, a vCPU whose timer stopped: the emulated
-    machine, not the project) is stopped at once rather than left to its timeout."""
+           guest_lavapipe: bool = False, timeout: int = 900, arch: str | None = None,
+           env: dict[str, str] | None = None) -> GuestRun:
+    """Boot one VM (``arch`` arm64 for the arm64 guest) with ``share`` read-write at its own path, run ``command``
+    in it with ``env``, power it off. A VM whose guest kernel reports a stall (a task blocked in the virtio-gpu
+    driver, a vCPU whose timer stopped: the emulated machine, not the project) is stopped at once rather than left
+    to its timeout."""
     args = [str(KIT / "run.sh"), "--share", str(share), "--hostmem", hostmem, "--mem", mem, "--timeout",
             str(timeout)]
     if guest_lavapipe:
         args.append("--guest-lavapipe")
+    for name, value in (env or {}).items():
+        args += ["--env", f"{name}={value}"]
     runs = STATE_DIR / "runs"
     before = {run.name for run in runs.glob("run.*")}
     started = time.monotonic()
     stalled: str | None = None
-    with subprocess.Popen([*args, "--", *command], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    with subprocess.Popen([*args, "--", *command], env=_env(**({"VENUSNODE_ARCH": arch} if arch else {})),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as process:
         output: dict[str, str] = {}
         readers = [threading.Thread(target=lambda name, stream: output.__setitem__(name, stream.read()),
@@ -333,5 +438,22 @@ def prepare() -> int:
     return 0
 
 
+def prepare_arm64() -> int:
+    """`python -m tests.venus.venusnode arm64`: the arm64 guest's tree, built where it is not (make test starts this
+    in the background and does not wait: the arm64 tests run where the tree is ready, and say so where not). Holds
+    its own lock, not the tier's, so that the x86-64 tier runs meanwhile."""
+    if why_not() is not None or ARM64_STAMP.is_file():
+        return 0
+    with helpers.machine_lock(STATE_DIR.parent / f"{STATE_DIR.name}-arm64.lock",
+                              "venus tier: another run is building the arm64 tree"):
+        if ARM64_STAMP.is_file():
+            return 0
+        with machine_lock():
+            setup()  # the x86-64 chroot first, as the arm64 setup needs it and would change its package set
+        code = setup_arm64()
+    print(f"venus tier: the arm64 tree {'is ready' if code == 0 else f'failed ({code}), see {ARM64_LOG}'}")
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(prepare())
+    raise SystemExit(prepare_arm64() if sys.argv[1:] == [ARM64] else prepare())

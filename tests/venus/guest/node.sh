@@ -13,6 +13,7 @@ mkdir -p "$OUT" "$W/dp"
 export PATH="$VENV/bin:$PATH" COLUMNS=200
 step() { echo "$(date +%s.%N) $*" >> "$OUT/steps.log"; }
 step start
+uname -m > "$OUT/uname"
 # What a node has and this guest lacks: its loopback interface up (the daemons' HTTP endpoint is on 127.0.0.1).
 busybox ip link set lo up
 gpuppetti plugin --config "$W/node.yaml" --device-plugin-dir "$W/dp" --vulkan-layer-dir /var/lib/gpuppetti/vulkan \
