@@ -7,7 +7,6 @@ import json
 import re
 import signal
 import socket
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
-from tests.helpers import TWO_M3_MAX, Daemon, DaemonProcess, run_cli
+from tests.helpers import TWO_M3_MAX, Daemon, DaemonProcess, hold_slice, run_cli
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not (BUILT / LIBRARY).exists(), reason="the Vulkan layer is not built here")]
@@ -36,9 +35,8 @@ async def test_top_shows_who_holds_each_slice_and_how_much(
         layer_dir = Path(next(m.host_path for m in allocation.response.mounts
                               if m.container_path == "/run/gpuppetti/vulkan"))
         assert layer_dir.name == allocation_id(allocation.device_ids)
-        with open(layer_dir / "slice-0.acct", "r+b") as acct:  # noqa: ASYNC230 (a small write, as a container would)
-            acct.seek(24)
-            acct.write(struct.pack("<q", 3 * 1024 * MIB))
+        # A process of the container holding 3 GiB, alive until the figures are read.
+        live = hold_slice(layer_dir / "slice-0.acct", 3 * 1024 * MIB)
         # The plugin asks the kubelet whose container the units went to shortly after the Allocate.
         async with asyncio.timeout(15):
             while True:
@@ -49,6 +47,7 @@ async def test_top_shows_who_holds_each_slice_and_how_much(
                     break
                 await asyncio.sleep(0.2)
         table = await asyncio.to_thread(run_cli, "top", "--from", url, "--once", env={"COLUMNS": "80"})
+        live.close()
     assert held == {"namespace": "default", "pod": "trainer", "container": "main", "gpu": allocation.device_ids[0]
                     .partition("::")[0], "unit": allocation.device_ids[0], "budget_bytes": 12 * 1024 * MIB,
                     "used_bytes": 3 * 1024 * MIB, "compute_wait_seconds": 0.0}

@@ -4,12 +4,11 @@ who holds it, read at scrape time from files the containers can write (and so tr
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import struct
 import time
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 from prometheus_client import generate_latest
 
@@ -18,9 +17,9 @@ from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
 from gpuppetti.node.metrics import Metrics
-from gpuppetti.node.vulkanlayer import ACCT_LOCK_BASE, ACCT_SLOT_BYTES_OFFSET, ACCT_WAITED_OFFSET, LayerDir
+from gpuppetti.node.vulkanlayer import LayerDir
 from gpuppetti.sharing.budgets import Budget
-from tests.helpers import short_tmpdir
+from tests.helpers import hold_slice, short_tmpdir
 
 MIB = 2**20
 GPU0 = Gpu(id="gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
@@ -30,22 +29,11 @@ GPU1 = Gpu(id="gpu-1", index=1, vendor=Vendor.APPLE, model="Apple M3 Max", backe
 
 
 def held(layer: LayerDir, allocation: str, index: int, used: int, waited_ns: int = 0) -> None:
-    """What a live process of a container would have written: the slice's total, its slot's part, and its submits'
-    waiting; and the lock on its slot that says it lives (held by this process until the test ends)."""
-    acct = open(layer.allocations / allocation / f"slice-{index}.acct", "r+b")  # noqa: SIM115 (kept open: the lock)
-    _live.append(acct)
-    acct.seek(24)
-    acct.write(struct.pack("<q", used))
-    acct.seek(ACCT_SLOT_BYTES_OFFSET)
-    acct.write(struct.pack("<q", used))
-    acct.seek(ACCT_WAITED_OFFSET)
-    acct.write(struct.pack("<q", waited_ns))
-    acct.flush()
-    fcntl.fcntl(acct.fileno(), fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, ACCT_LOCK_BASE,
-                                                              1, 0))
+    """A live process of the container holding ``used`` of the slice (its lock held until the test ends)."""
+    _live.append(hold_slice(layer.allocations / allocation / f"slice-{index}.acct", used, waited_ns))
 
 
-_live: list[BinaryIO] = []
+_live: list[IO[bytes]] = []
 
 
 def scrape(metrics: Metrics) -> set[str]:
