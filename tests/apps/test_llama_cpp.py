@@ -219,8 +219,7 @@ def test_past_the_slice_a_larger_model_fails_with_llama_cpps_own_out_of_memory_e
     assert "ErrorOutOfDeviceMemory" in refused.stderr, log(refused)
     assert "unable to allocate Vulkan0 buffer" in refused.stderr, log(refused)
     assert "failed to load model" in refused.stderr, log(refused)
-    # llama-server's own end: it never served (no answer printed), and it said why it stops.
-    assert "exiting due to model loading error" in refused.stderr, log(refused)
+    # llama-server ended on its own without serving: no answer printed.
     assert refused.reports() == [], log(refused)
     # The same model, on the same device without the layer, loads and runs: it is the slice that refuses it.
     loaded = generate(llama, None, models.large, 2)
