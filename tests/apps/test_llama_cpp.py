@@ -52,14 +52,12 @@ SMALL = ("--embd", "256", "--ff", "512", "--layers", str(SMALL_LAYERS))
 # The same layers, 32 of them: 84 MiB, past the slice (and the same pipelines, which lavapipe has compiled).
 LARGE_LAYERS = 32
 LARGE = ("--embd", "256", "--ff", "512", "--layers", str(LARGE_LAYERS))
-
-
 # Where llama-server listens in its container (the container's own loopback: it has no network).
 PORT = 8080
 # How long the script waits for /health: pipelines compiled cold, on a loaded machine, take minutes.
 START_S = 270
-# A small context and one slot: the KV cache and compute buffers stay a few MiB. The fit of unset parameters to the
-# device's free memory is off, so that a model past the slice is refused by the allocation, not moved to the CPU.
+# A small context and one slot: the KV cache and compute buffers stay a few MiB. llama.cpp's fitting of parameters to
+# the device's free memory is off: every layer goes where -ngl says, and the allocation alone decides.
 SERVER_FLAGS = ("-ngl", "99", "-c", "256", "-np", "1", "-fit", "off", "-lv", "4")
 
 
