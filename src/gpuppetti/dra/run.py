@@ -139,6 +139,10 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     publisher = SlicePublisher(kube, inventory, pool_content, options.node_name, metrics, registration.confirmed)
 
     def waiting_for() -> str | None:
+        for endpoint, what in ((dra_endpoint, "service"), (registration_endpoint, "registration")):
+            # Our own socket that cannot be served: not the kubelet's doing.
+            if endpoint.problem is not None:
+                return f"cannot serve the driver's {what} socket: {endpoint.problem}"
         if not registration.registered:
             return f"the kubelet has not confirmed the registration ({registration.last_error or 'no answer yet'})"
         if not publisher.published.is_set():
