@@ -157,6 +157,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
 
     runtime.spawn("kubelet-services", serve_and_register(dra_endpoint, registration_endpoint, f"DRA driver {driver}"))
     runtime.spawn("cdi-specs", _keep_cdi_specs(state))
+    runtime.spawn("layer-trash", state.empty_trash())
     runtime.spawn("slices-inventory", publisher.follow_inventory())
     runtime.spawn("slices-reconcile", publisher.reconcile_loop())
     runtime.spawn("slices-watch", publisher.watch())

@@ -14,13 +14,16 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from gpuppetti.base.fsutil import remove_file
+from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.fsutil import make_directory, remove_file
 from gpuppetti.base.syntax import DNS_LABEL, UID, is_dns_subdomain
 from gpuppetti.core import cdi
 from gpuppetti.core.kubeobjects import ResourceClaim
@@ -93,6 +96,9 @@ def layer_allocation(uid: str, request: str) -> str:
 
 
 LAYER_PREFIX = "dra-"
+# Beside the layer's allocations, on the same file system: a claim's directory is renamed into it under the state
+# lock (one rename) and removed from there with no lock held, however many files a tenant left in it.
+TRASH = "dra-trash"
 
 
 def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: str, kind: str,
@@ -248,6 +254,10 @@ class DraState:
         self.missing_specs: dict[str, str] = {}
         # The pods a claim was reserved for when it was read to be prepared (for /metrics; not kept across a restart).
         self._pods: dict[str, str] = {}
+        # Layer directories of claims that went, renamed here to be removed outside the lock (empty_trash).
+        self.trash = None if layer is None else LayerDir(layer.path / TRASH)
+        self._trashed = asyncio.Event()
+        self._trashed.set()  # what an earlier instance left there goes too
 
     @property
     def prepared(self) -> int:
@@ -267,7 +277,9 @@ class DraState:
         remove specs the checkpoint does not hold as prepared. Returns how many were re-created; those that could
         not be are in ``missing_specs`` until a later call succeeds."""
         async with self._lock:
-            return await _run_to_the_end(self._restore)
+            restored = await _run_to_the_end(self._restore)
+        self._trashed.set()
+        return restored
 
     def _restore(self) -> int:
         present = self._spec_files()
@@ -298,7 +310,7 @@ class DraState:
                 if record.state == COMPLETED for allocation, memories in record.layer_allocations.items()}
         for allocation in self.layer.existing():
             if allocation.startswith(LAYER_PREFIX) and allocation not in kept:
-                self.layer.remove(allocation)
+                self._discard(allocation)
         for allocation, (uid, memories) in kept.items():
             try:
                 self.layer.create(allocation, memories, fresh=False)
@@ -473,6 +485,70 @@ class DraState:
         except PrepareError as exc:
             return exc
 
+    # -- layer directories that went -------------------------------------------------------------------------
+
+    def _discard(self, allocation: str) -> None:
+        """Move a claim's layer directory into the trash: one rename, so that the state lock is held for no more,
+        whatever the directory holds. Blocks (a system call or two): call it in a thread."""
+        assert self.layer is not None and self.trash is not None
+        source = self.layer.allocations / allocation
+        # A name of its own in the trash: an earlier directory of the same claim may still be there.
+        target = self.trash.allocations / f"{allocation[:100]}.{secrets.token_hex(4)}"
+        try:
+            make_directory(self.trash.allocations)
+            os.rename(source, target)
+        except FileNotFoundError:
+            if source.exists():
+                log.error("cannot move the Vulkan layer's directory %s into %s: it vanished", source, target.parent)
+            return
+        except OSError as exc:
+            log.error("cannot move the Vulkan layer's directory %s into %s (%s); it stays until the driver starts "
+                      "again", source, target.parent, exc.strerror or exc)
+            return
+
+    def _discard_all(self, allocations: Sequence[str]) -> None:
+        for allocation in allocations:
+            self._discard(allocation)
+
+    def _empty_trash(self) -> list[str]:
+        """Remove what the trash holds; returns what could not be removed. Blocks: call it in a thread."""
+        assert self.trash is not None
+        try:
+            entries = list(os.scandir(self.trash.allocations))
+        except FileNotFoundError:
+            return []
+        left = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                self.trash.remove(entry.name)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            if os.path.lexists(entry.path):
+                left.append(entry.name)
+        return left
+
+    async def empty_trash(self) -> None:
+        """Duty: remove the layer directories of claims that went, with no lock held, as they arrive and at
+        start; what cannot be removed is logged and tried again after a while."""
+        if self.trash is None:
+            return
+        backoff = Backoff(1.0, 300.0)
+        while True:
+            await self._trashed.wait()
+            self._trashed.clear()
+            left = await asyncio.to_thread(self._empty_trash)
+            if not left:
+                backoff.reset()
+                continue
+            delay = backoff.next()
+            log.warning("cannot remove %d directory(ies) from %s yet (%s); trying again in %.0fs", len(left),
+                        self.trash.allocations, ", ".join(left[:3]), delay)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._trashed.wait()
+            self._trashed.set()
+
     def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
         """Each held slice of a prepared claim, as its accounting file says, labelled with the claim's namespace, the
         pods it is reserved for, its GPU and device (metrics.SliceUses). Blocks: it reads the files."""
@@ -524,9 +600,9 @@ class DraState:
             # After the checkpoint let them go; a spec the checkpoint never held goes too.
             await _run_to_the_end(_remove_specs, self.cdi_dir,
                                   [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
-            if self.layer is not None:
-                for allocation in directories:
-                    await _run_to_the_end(self.layer.remove, allocation)
+            if directories:
+                await _run_to_the_end(self._discard_all, directories)
+                self._trashed.set()
             for claim in valid:
                 self.missing_specs.pop(claim.uid, None)
                 self._pods.pop(claim.uid, None)
