@@ -17,10 +17,10 @@ from gpuppetti.dra.checkpoint import (
     STARTED,
     Checkpoint,
     ClaimRecord,
-    PreparedDevice,
     UnusableCheckpoint,
     _legacy_checksum,
 )
+from gpuppetti.kit.draplugin import PreparedDevice
 
 
 def _saved(tmp_path: Path) -> Checkpoint:

@@ -16,12 +16,12 @@ from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.checkpoint import Checkpoint
 from gpuppetti.dra.state import (
     LIST_FROM,
-    ClaimRef,
     DraState,
     _collector_paused,
     _run_to_the_end,
     layer_allocation,
 )
+from gpuppetti.kit.draplugin import ClaimRef
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.kube import ApiError
 from gpuppetti.node.vulkanlayer import LayerDir

@@ -32,6 +32,7 @@ import msgspec
 
 from gpuppetti.base.fsutil import atomic_write
 from gpuppetti.core import cdi
+from gpuppetti.kit.draplugin import PreparedDevice
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +40,6 @@ VERSION = "v1"
 State = Literal["PrepareStarted", "PrepareCompleted"]
 STARTED: Final = "PrepareStarted"
 COMPLETED: Final = "PrepareCompleted"
-
-
-# Slots: a driver holds a record per prepared claim, and a node may hold a thousand.
-@dataclass(frozen=True, slots=True)
-class PreparedDevice:
-    request_names: list[str]
-    pool: str
-    device: str
-    cdi_device_ids: list[str]
-    share_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

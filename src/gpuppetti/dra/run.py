@@ -22,9 +22,9 @@ from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
 from gpuppetti.core.model import Serves
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
-from gpuppetti.dra.plugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
 from gpuppetti.dra.slices import pool_content
 from gpuppetti.dra.state import DraState
+from gpuppetti.kit.draplugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
 from gpuppetti.kit.endpoint import UnixEndpoint
 from gpuppetti.kit.publisher import SlicePublisher
 from gpuppetti.kit.registration import PluginRegistration, serve_and_register

@@ -24,12 +24,12 @@ from typing import Any, Protocol, TypeVar
 
 from gpuppetti.base.backoff import Backoff
 from gpuppetti.base.fsutil import make_directory, remove_file
-from gpuppetti.base.syntax import DNS_LABEL, UID, is_dns_subdomain
 from gpuppetti.core import cdi
 from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import ContainerEdits, Health
 from gpuppetti.dra import opaque
-from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice
+from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
+from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.kube import ApiError, NotFound
 from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
@@ -58,28 +58,6 @@ LIST_FROM = 16
 
 class PrepareError(Exception):
     """Preparing one claim failed; the message goes to the kubelet in that claim's entry."""
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    namespace: str
-    uid: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} ({self.uid})"
-
-
-def claim_problem(claim: ClaimRef) -> str | None:
-    """Why the kubelet's reference cannot be a real claim; None when it can."""
-    # A claim UID becomes part of a file name: nothing but a UID may pass.
-    if not UID.match(claim.uid):
-        return f"claim uid {claim.uid[:80]!r} is not a Kubernetes UID"
-    if not DNS_LABEL.match(claim.namespace):
-        return f"claim namespace {claim.namespace[:80]!r} is not a valid namespace name"
-    if not is_dns_subdomain(claim.name):
-        return f"claim name {claim.name[:80]!r} is not a valid object name"
-    return None
 
 
 @dataclass(frozen=True)
@@ -330,18 +308,12 @@ class DraState:
 
     async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | PrepareError]:
         answers: dict[str, list[PreparedDevice] | PrepareError] = {}
-        valid: list[ClaimRef] = []
-        for claim in claims:
-            if (problem := claim_problem(claim)) is not None:
-                answers[claim.uid] = PrepareError(problem)
-            else:
-                valid.append(claim)
         async with self._lock:
-            done = {claim.uid: devices for claim in valid if (devices := self._completed(claim)) is not None}
+            done = {claim.uid: devices for claim in claims if (devices := self._completed(claim)) is not None}
             answers.update(done)
-            pending = [claim for claim in valid if claim.uid not in done]
+            pending = [claim for claim in claims if claim.uid not in done]
             if done:
-                await self._ensure_specs([c for c in valid if c.uid in done], answers)
+                await self._ensure_specs([c for c in claims if c.uid in done], answers)
         began = time.perf_counter()
         # The network, with no lock held: an Unprepare meanwhile answers at once.
         # The pending claims of each namespace, by name.
@@ -575,15 +547,9 @@ class DraState:
         """Forget every claim of one call; a claim that was never prepared is simply not there. Each answer is ""
         (done) or why not; "done" only once the checkpoint no longer holds the claim."""
         answers: dict[str, str] = {}
-        valid: list[ClaimRef] = []
-        for claim in claims:
-            if (problem := claim_problem(claim)) is not None:
-                answers[claim.uid] = problem
-            else:
-                valid.append(claim)
         async with self._lock:
             current = self.checkpoint.claims
-            gone = [claim for claim in valid if claim.uid in current]
+            gone = [claim for claim in claims if claim.uid in current]
             directories = [allocation for claim in gone for allocation in current[claim.uid].layer_allocations]
             if gone:
                 remaining = {uid: record for uid, record in current.items() if uid not in {c.uid for c in gone}}
@@ -591,7 +557,7 @@ class DraState:
                     await _run_to_the_end(self.checkpoint.save, remaining)
                 except OSError as exc:
                     why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
-                    for claim in valid:
+                    for claim in claims:
                         answers[claim.uid] = why
                     return answers
                 for claim in gone:
@@ -599,11 +565,11 @@ class DraState:
                 log.info("unprepared %s", _named(gone))
             # After the checkpoint let them go; a spec the checkpoint never held goes too.
             await _run_to_the_end(_remove_specs, self.cdi_dir,
-                                  [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
+                                  [cdi.spec_filename(self.kind, claim.uid) for claim in claims])
             if directories:
                 await _run_to_the_end(self._discard_all, directories)
                 self._trashed.set()
-            for claim in valid:
+            for claim in claims:
                 self.missing_specs.pop(claim.uid, None)
                 self._pods.pop(claim.uid, None)
                 answers[claim.uid] = ""
