@@ -14,12 +14,12 @@ from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import Serves
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.checkpoint import Checkpoint
+from gpuppetti.dra.plan import layer_allocation
 from gpuppetti.dra.state import (
     LIST_FROM,
     DraState,
     _collector_paused,
     _run_to_the_end,
-    layer_allocation,
 )
 from gpuppetti.kit.draplugin import ClaimRef
 from gpuppetti.node.inventory import Inventory

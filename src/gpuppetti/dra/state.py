@@ -18,7 +18,6 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -26,16 +25,12 @@ from gpuppetti.base.backoff import Backoff
 from gpuppetti.base.fsutil import make_directory, remove_file
 from gpuppetti.core import cdi
 from gpuppetti.core.kubeobjects import ResourceClaim
-from gpuppetti.core.model import ContainerEdits, Health
-from gpuppetti.dra import opaque
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
+from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError, layer_allocation, plan_claim
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.kube import ApiError, NotFound
 from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
-from gpuppetti.sharing.budgets import Enforce, share_budgets
-from gpuppetti.sharing.edits import MpsSettings, claim_edits
-from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 
 log = logging.getLogger(__name__)
 
@@ -56,97 +51,9 @@ class ClaimReader(Protocol):
 LIST_FROM = 16
 
 
-class PrepareError(Exception):
-    """Preparing one claim failed; the message goes to the kubelet in that claim's entry."""
-
-
-@dataclass(frozen=True)
-class _Plan:
-    devices: list[PreparedDevice]
-    spec: dict[str, Any]
-    filename: str
-    # The Vulkan layer's directory of each request that gets one, with each GPU's budget.
-    allocations: dict[str, list[int]] = field(default_factory=dict)
-
-
-def layer_allocation(uid: str, request: str) -> str:
-    return f"{LAYER_PREFIX}{uid}-{request}"
-
-
-LAYER_PREFIX = "dra-"
 # Beside the layer's allocations, on the same file system: a claim's directory is renamed into it under the state
 # lock (one rename) and removed from there with no lock held, however many files a tenant left in it.
 TRASH = "dra-trash"
-
-
-def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: str, kind: str,
-               layer: LayerDir | None = None) -> _Plan:
-    """Everything Prepare will do for ``claim``, computed before anything is written. Raises PrepareError."""
-    driver = snapshot.config.dra.driver_name
-    where = f"ResourceClaim {claim.namespace}/{claim.name}"
-    if obj.metadata.uid != claim.uid:
-        raise PrepareError(f"{where} was replaced: its uid is {obj.metadata.uid}, the kubelet asked for {claim.uid}")
-    allocation = obj.status.allocation
-    if allocation is None:
-        raise PrepareError(f"{where} is not allocated")
-    results = [r for r in allocation.devices.results if r.driver == driver]
-    if not results:
-        raise PrepareError(f"{where} has no devices of driver {driver}")
-
-    by_request: dict[str, list[Share]] = {}
-    problems: list[str] = []
-    for result in results:
-        if result.pool != node:
-            problems.append(f"device {result.device} is in pool {result.pool!r}, not this node's {node!r}")
-            continue
-        device = snapshot.pool.devices.get(result.device)
-        if device is None:
-            problems.append(f"device {result.device} is not published by this node")
-            continue
-        gpu = snapshot.gpus[device.gpu_id]
-        if gpu.health is not Health.HEALTHY:
-            problems.append(f"device {result.device} ({gpu.id}) is {gpu.health}")
-            continue
-        try:
-            share = claim_share(device, gpu, result.consumed_capacity, result.share_id)
-        except ShareError as exc:
-            problems.append(str(exc))
-            continue
-        by_request.setdefault(result.request.split("/", 1)[0], []).append(share)
-    if problems:
-        raise PrepareError("; ".join(problems))
-
-    cdi_devices: list[tuple[str, ContainerEdits]] = []
-    prepared: list[PreparedDevice] = []
-    allocations: dict[str, list[int]] = {}
-    enforce = Enforce(snapshot.config.sharing.enforce_memory, snapshot.config.sharing.enforce_compute)
-    for request, shares in by_request.items():
-        try:
-            config = opaque.config_for_request(allocation.devices.config, driver, request)
-        except opaque.OpaqueConfigError as exc:
-            raise PrepareError(str(exc)) from exc
-        strategy = config.sharing.strategy
-        for share in shares:
-            if (why := cannot_honour(strategy, share)) is not None:
-                raise PrepareError(f"request {request}: sharing strategy {strategy} cannot be honoured on device "
-                                   f"{share.device.name} ({share.gpu.id}): {why}")
-        mps = config.sharing.mps or opaque.NO_MPS
-        settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
-        cdi_name = f"claim-{claim.uid}-{request}"
-        edits = claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)
-        budgets = share_budgets(shares, enforce) if layer is not None and enforce else []
-        if budgets and layer is not None:
-            # Every container of the claim mounts the request's one directory: they share its budget.
-            allocation_id = layer_allocation(claim.uid, request)
-            edits.merge(layer.edits(allocation_id, budgets))
-            allocations[allocation_id] = [budget.memory for budget in budgets]
-        cdi_devices.append((cdi_name, edits))
-        for position, share in enumerate(shares):
-            # One CDI device per request carries the edits of all its GPUs, so a container that gets the
-            # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
-            ids = [cdi.qualified_name(kind, cdi_name)] if position == 0 else []
-            prepared.append(PreparedDevice([request], node, share.device.name, ids, share.share_id))
-    return _Plan(prepared, cdi.build_spec(kind, cdi_devices), cdi.spec_filename(kind, claim.uid), allocations)
 
 
 def _named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
@@ -320,7 +227,7 @@ class DraState:
         namespaces: dict[str, dict[str, ClaimRef]] = {}
         for claim in pending:
             namespaces.setdefault(claim.namespace, {})[claim.name] = claim
-        plans: dict[str, _Plan | PrepareError] = {}
+        plans: dict[str, Plan | PrepareError] = {}
         snapshot = self._inventory.snapshot
         await asyncio.gather(*(self._list_and_plan(ns, wanted, snapshot, plans)
                                for ns, wanted in namespaces.items() if len(wanted) >= LIST_FROM))
@@ -332,7 +239,7 @@ class DraState:
             plans.update(zip((claim.uid for claim in unlisted), read_one_by_one, strict=True))
         read = time.perf_counter()
         async with self._lock:
-            planned: dict[str, tuple[ClaimRef, _Plan]] = {}
+            planned: dict[str, tuple[ClaimRef, Plan]] = {}
             for claim in pending:
                 plan = plans[claim.uid]
                 if (devices := self._completed(claim)) is not None:
@@ -371,7 +278,7 @@ class DraState:
             for uid, why in (await _run_to_the_end(_write_specs, self.cdi_dir, missing)).items():
                 answers[uid] = PrepareError(why)
 
-    def _commit(self, planned: Mapping[str, tuple[ClaimRef, _Plan]]) -> dict[str, list[PreparedDevice] | PrepareError]:
+    def _commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> dict[str, list[PreparedDevice] | PrepareError]:
         """Checkpoint the claims PrepareStarted, make their layer directories and CDI specs, checkpoint them
         PrepareCompleted; each claim's answer. Blocks (fsync): run in one thread, under the state lock."""
         started = {**self.checkpoint.claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED,
@@ -413,7 +320,7 @@ class DraState:
                           ", ".join(d.device for d in plan.devices))
         return answers
 
-    def _write(self, planned: Mapping[str, tuple[ClaimRef, _Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
+    def _write(self, planned: Mapping[str, tuple[ClaimRef, Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
         """The claims' layer directories, then their CDI specs (which mount them); the errors by claim."""
         failed: dict[str, str] = {}
         for uid, (_, plan) in planned.items():
@@ -430,7 +337,7 @@ class DraState:
         return failed
 
     async def _list_and_plan(self, namespace: str, wanted: Mapping[str, ClaimRef], snapshot: Snapshot,
-                             plans: dict[str, _Plan | PrepareError]) -> None:
+                             plans: dict[str, Plan | PrepareError]) -> None:
         """Plan the claims ``wanted`` (by name) of ``namespace`` as a list of it reads them: a claim's object lives
         only until it is planned, never a thousand of them beside their thousand plans."""
         try:
@@ -441,7 +348,7 @@ class DraState:
         except ApiError as exc:
             log.warning("%s; reading the rest of its claims one by one instead", exc)
 
-    async def _read_and_plan(self, claim: ClaimRef) -> _Plan | PrepareError:
+    async def _read_and_plan(self, claim: ClaimRef) -> Plan | PrepareError:
         try:
             obj = await self._claims.get_claim(claim.namespace, claim.name)
         except NotFound as exc:
@@ -450,7 +357,7 @@ class DraState:
             return PrepareError(str(exc))
         return self._plan(claim, obj, self._inventory.snapshot)
 
-    def _plan(self, claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot) -> _Plan | PrepareError:
+    def _plan(self, claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot) -> Plan | PrepareError:
         self._pods[claim.uid] = ",".join(sorted(c.name for c in obj.status.reserved_for if c.resource == "pods"))
         try:
             return plan_claim(claim, obj, snapshot, self.node, self.kind, self.layer)
