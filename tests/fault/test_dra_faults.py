@@ -346,3 +346,41 @@ async def test_planted_links_are_not_followed_and_modes_ignore_the_umask(cluster
         assert stat.S_IMODE(socket.stat().st_mode) == 0o600
     checkpoint = cluster.plugin_dir / "checkpoint.json"
     assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o600
+
+
+# -- 28.9. what is left at the registration socket's name -----------------------------------------------------------
+
+
+def _healthz(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def test_a_dangling_link_at_the_registration_socket_is_replaced(cluster: Cluster) -> None:
+    registry = cluster.root / "registry"
+    registry.mkdir(parents=True, exist_ok=True)
+    (registry / f"{DRIVER}-reg.sock").symlink_to(cluster.root / "gone")
+    driver = cluster.start_driver()
+    await _registered_and_published(cluster, driver)
+    assert stat.S_ISSOCK((registry / f"{DRIVER}-reg.sock").lstat().st_mode)
+    assert not (cluster.root / "gone").exists(), "the link went, not through it"
+    await driver.stop()
+
+
+async def test_a_file_at_the_registration_socket_is_named_by_healthz_not_the_kubelet(cluster: Cluster) -> None:
+    registry = cluster.root / "registry"
+    registry.mkdir(parents=True, exist_ok=True)
+    (registry / f"{DRIVER}-reg.sock").write_text("someone's")
+    driver = cluster.start_driver()
+    await driver.wait_for_log("a file that is not a socket")
+    status, body = await asyncio.to_thread(_healthz, await driver.http_url())
+    assert status == 503 and "registration socket" in body and "a file that is not a socket" in body, body
+    assert "kubelet has not confirmed" not in body
+    assert (registry / f"{DRIVER}-reg.sock").read_text() == "someone's"
+    await driver.stop()

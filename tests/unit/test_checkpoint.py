@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -8,7 +11,16 @@ from typing import Any
 import pytest
 
 from gpuppetti.core import cdi
-from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice, UnusableCheckpoint
+from gpuppetti.dra import checkpoint as checkpoint_module
+from gpuppetti.dra.checkpoint import (
+    COMPLETED,
+    STARTED,
+    Checkpoint,
+    ClaimRecord,
+    UnusableCheckpoint,
+    _legacy_checksum,
+)
+from gpuppetti.kit.draplugin import PreparedDevice
 
 
 def _saved(tmp_path: Path) -> Checkpoint:
@@ -54,9 +66,7 @@ def test_damage_is_detected_and_moved_aside(tmp_path: Path, damage: str, caplog:
     elif damage in SHAPES:
         document = json.loads(raw)
         document["claims"]["uid-1"] = SHAPES[damage](document["claims"]["uid-1"])
-        from gpuppetti.dra.checkpoint import _checksum
-
-        document["checksum"] = _checksum(document["claims"])
+        document["checksum"] = _legacy_checksum(document["claims"])
         path.write_text(json.dumps(document))
     else:
         path.write_bytes(b"\xff\xfe\x00garbage")
@@ -124,11 +134,11 @@ def _record(uid: str, state: str = COMPLETED, spec: dict[str, Any] | None = None
                        cdi.encode_spec(spec).encode(), f"k-c_{uid}.json", {"dra-x": [1 << 30]})
 
 
-def test_saves_encode_only_new_records_and_write_what_a_fresh_encoding_would(tmp_path: Path) -> None:
+def test_saves_write_what_a_fresh_encoding_would(tmp_path: Path) -> None:
     checkpoint = Checkpoint(tmp_path / "checkpoint.json")
     started = {uid: _record(uid, STARTED) for uid in ("b", "a", "c")}
     checkpoint.save(started)
-    # A record's spec (the bytes its CDI file holds) is spliced in rather than encoded again, as a JSON object.
+    # A record's spec (the bytes its CDI file holds) is written as they are, as a JSON object.
     completed = {**started, "a": _record("a"), "c": _record("c")}
     checkpoint.save(completed)
     written = checkpoint.path.read_bytes()
@@ -138,10 +148,134 @@ def test_saves_encode_only_new_records_and_write_what_a_fresh_encoding_would(tmp
     assert written == fresh.path.read_bytes(), "byte for byte what encoding every record anew writes"
     loaded = Checkpoint(checkpoint.path)
     assert loaded.load() is None and loaded.claims == completed
-    # Records kept as they are keep their encoding; a replaced one is encoded again; a removed one goes.
     later = {"a": completed["a"], "b": _record("b")}
     checkpoint.save(later)
     anew = Checkpoint(tmp_path / "anew.json")
     anew.save(later)
     assert checkpoint.path.read_bytes() == anew.path.read_bytes()
+    assert Checkpoint(checkpoint.path).load() is None
+
+
+FIXTURE = Path(__file__).parent / "data" / "checkpoint-v1.json"
+
+
+def test_a_checkpoint_written_by_the_first_v1_writer_is_restored(tmp_path: Path) -> None:
+    # Byte for byte as the hand-spliced writer wrote it (with text that is not ASCII in a spec).
+    shutil.copy(FIXTURE, tmp_path / "checkpoint.json")
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json")
+    assert checkpoint.load() is None, "not moved aside"
+    claims = checkpoint.claims
+    assert len(claims) == 3 and {record.state for record in claims.values()} == {COMPLETED, STARTED}
+    first = claims["3f2a1b0c-0000-4000-8000-000000000001"]
+    assert [device.device for device in first.devices] == ["gpu-apple-0", "gpu-apple-1"]
+    assert first.layer_allocations == {"dra-3f2a1b0c-0000-4000-8000-000000000001-gpu": [1 << 30, 2 << 30]}
+    document = json.loads(FIXTURE.read_bytes())["claims"]
+    assert json.loads(first.cdi_spec or b"") == document[first.uid]["cdi_spec"]
+    # Written again from its data: the same file.
+    checkpoint.save(claims)
+    assert checkpoint.path.read_bytes() == FIXTURE.read_bytes()
+
+
+def test_the_order_of_the_fields_in_the_file_is_no_part_of_its_checksum(tmp_path: Path) -> None:
+    document = json.loads(FIXTURE.read_bytes())
+    shuffle = random.Random(7).shuffle
+
+    def shuffled(value: Any) -> Any:
+        if isinstance(value, dict):
+            keys = list(value)
+            shuffle(keys)
+            return {key: shuffled(value[key]) for key in keys}
+        if isinstance(value, list):
+            return [shuffled(item) for item in value]
+        return value
+
+    (tmp_path / "checkpoint.json").write_text(json.dumps(shuffled(document), indent=1))
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json")
+    assert checkpoint.load() is None
+    original = Checkpoint(tmp_path / "original.json")
+    shutil.copy(FIXTURE, original.path)
+    original.load()
+    assert checkpoint.claims == original.claims
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _EvolvedRecord(ClaimRecord):
+    # A field a later version adds: its name sorts between two of today's (cdi_spec and devices).
+    cdi_version: str = "0.3.0"
+
+
+def test_a_field_added_to_the_records_is_written_checksummed_and_restored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checkpoint_module, "ClaimRecord", _EvolvedRecord)
+    monkeypatch.setitem(checkpoint_module._CLAIM_FIELDS, "cdi_version", lambda v: isinstance(v, str))
+    base = _record("3f2a1b0c-0000-4000-8000-000000000009")
+    evolved = _EvolvedRecord(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ClaimRecord)},
+                             cdi_version="1.0.0")
+    saved = Checkpoint(tmp_path / "checkpoint.json")
+    saved.save({evolved.uid: evolved})
+    assert json.loads(saved.path.read_bytes())["claims"][evolved.uid]["cdi_version"] == "1.0.0"
+    restored = Checkpoint(saved.path)
+    assert restored.load() is None, "not taken for a corrupt file"
+    assert restored.claims == {evolved.uid: evolved}
+
+
+@pytest.mark.parametrize(("where", "value"), [
+    ("cdi_file", "../outside.json"), ("cdi_file", "/etc/passwd"), ("cdi_file", "a/b.json"), ("cdi_file", ".."),
+    ("cdi_file", ""), ("layer_allocations", {"../../victim": [1]}), ("layer_allocations", {"a/b": [1]}),
+    ("uid", "../x"),
+])
+def test_a_path_from_the_checkpoint_that_leaves_its_directory_is_corrupt(
+        tmp_path: Path, where: str, value: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # The checksum is valid: what wrote the file wrote a path that is not a file name.
+    path = _saved(tmp_path).path
+    document = json.loads(path.read_text())
+    document["claims"]["uid-1"][where] = value
+    document["checksum"] = _legacy_checksum(document["claims"])
+    path.write_text(json.dumps(document))
+    checkpoint = Checkpoint(path)
+    assert checkpoint.load() is not None and checkpoint.claims == {}
+    assert "is corrupt" in caplog.text and not path.exists()
+
+
+def test_an_oversized_checkpoint_is_moved_aside_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    path = _saved(tmp_path).path
+    with path.open("ab") as file:
+        file.truncate(checkpoint_module.MAX_BYTES + 1)
+    read: list[int] = []
+    real_decode = checkpoint_module.decode
+
+    def decode(raw: bytes) -> tuple[dict[str, ClaimRecord], str]:
+        read.append(len(raw))
+        return real_decode(raw)
+
+    monkeypatch.setattr(checkpoint_module, "decode", decode)
+    checkpoint = Checkpoint(path)
+    aside = checkpoint.load()
+    assert aside is not None and Path(aside).stat().st_size == checkpoint_module.MAX_BYTES + 1
+    assert not read, "never read whole"
+    assert "over the 32 MiB a checkpoint of 10,000 claims stays within" in caplog.text
+
+
+def test_the_size_bound_holds_ten_thousand_claims_of_several_devices(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json")
+    uids = [f"3f2a1b0c-0000-4000-8000-{n:012d}" for n in range(10_000)]
+    def record(uid: str) -> ClaimRecord:
+        # Four GPUs, each with its share and the layer's mount, as a large claim of this driver's has them.
+        edits = {"env": [f"GPUPPETTI_CLAIM={uid}", "GPUPPETTI_SHARING=consumable", "GPUPPETTI_LIMITS=vulkan",
+                         f"GPUPPETTI_SHARE_ID={uid}", "GPUPPETTI_MEMORY=17179869184", "GPUPPETTI_CORES=40",
+                         "GPUPPETTI_VISIBLE=GPU-0,GPU-1,GPU-2,GPU-3"],
+                 "deviceNodes": [{"path": f"/dev/dri/renderD{128 + n}"} for n in range(4)],
+                 "mounts": [{"hostPath": f"/var/lib/gpuppetti/vulkan/dra-{uid}-gpu",
+                             "containerPath": "/run/gpuppetti/slices", "options": ["ro", "bind"]}]}
+        spec = {"cdiVersion": "0.3.0", "kind": "gpu.gpuppetti.dev/gpu",
+                "devices": [{"name": f"claim-{uid}-gpu", "containerEdits": edits}]}
+        devices = [PreparedDevice(["gpu"], "node1", f"gpu-nvidia-{n}-share", [f"gpu.gpuppetti.dev/gpu=claim-{uid}-gpu"]
+                                  if n == 0 else [], uid) for n in range(4)]
+        return ClaimRecord(uid, "a-long-namespace-name", "a-claim-with-a-long-name", COMPLETED, devices,
+                           cdi.encode_spec(spec).encode(), f"gpu.gpuppetti.dev-gpu_{uid}.json",
+                           {f"dra-{uid}-gpu": [17 << 30] * 4})
+
+    checkpoint.save({uid: record(uid) for uid in uids})
+    assert checkpoint.path.stat().st_size < checkpoint_module.MAX_BYTES
     assert Checkpoint(checkpoint.path).load() is None

@@ -12,7 +12,8 @@ from gpuppetti.core import cdi
 from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import Health
 from gpuppetti.discovery.simulated import SimulatedBackend
-from gpuppetti.dra.state import ClaimRef, PrepareError, layer_allocation, plan_claim
+from gpuppetti.dra.plan import PrepareError, layer_allocation, plan_claim
+from gpuppetti.kit.draplugin import ClaimRef
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.vulkanlayer import LayerDir
 from tests.dra_support import DRIVER, NODE

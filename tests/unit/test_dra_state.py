@@ -9,13 +9,22 @@ from pathlib import Path
 
 import pytest
 
+from gpuppetti.base.backoff import Backoff
 from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import Serves
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.checkpoint import Checkpoint
-from gpuppetti.dra.state import LIST_FROM, ClaimRef, DraState, _collector_paused, _run_to_the_end
+from gpuppetti.dra.plan import layer_allocation
+from gpuppetti.dra.state import (
+    LIST_FROM,
+    DraState,
+    _collector_paused,
+    _run_to_the_end,
+)
+from gpuppetti.kit.draplugin import ClaimRef
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.kube import ApiError
+from gpuppetti.node.vulkanlayer import LayerDir
 from tests.dra_support import DRIVER, NODE
 from tests.helpers import config_from
 
@@ -94,3 +103,96 @@ async def test_a_list_that_breaks_keeps_what_it_read_and_the_rest_are_read_one_b
     assert reader.read == [f"c{n}" for n in range(LIST_FROM, LIST_FROM * 2)], "only the claims the list did not give"
     assert state.prepared == LIST_FROM * 2
     assert len(list((tmp_path / "cdi").iterdir())) == LIST_FROM * 2
+
+
+PARTITIONS = """\
+version: v1
+backend: simulated
+simulated:
+  gpus:
+    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi, count: 2}
+dra: {slicing: partitions, partitions: [4]}
+"""
+
+
+def _partition(n: int) -> ResourceClaim:
+    return ResourceClaim.model_validate({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": f"c{n}", "namespace": "default", "uid": f"3f2a1b0c-0000-4000-8000-{n:012d}"},
+        "spec": {"devices": {"requests": []}},
+        "status": {"allocation": {"devices": {"results": [
+            {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": f"gpu-apple-{n}", "shareID": "p1",
+             "consumedCapacity": {"memory": "12Gi"}}]}}}})
+
+
+def _layered_state(tmp_path: Path) -> tuple[DraState, LayerDir, list[ClaimRef]]:
+    config = config_from(PARTITIONS)
+    inventory = Inventory(config, SimulatedBackend(config.simulated).discover(), Serves.POOL)
+    claims = {f"c{n}": _partition(n) for n in range(2)}
+    layer = LayerDir(tmp_path / "vulkan")
+    layer.allocations.mkdir(parents=True)
+    state = DraState(inventory, NODE, tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"),
+                     _Claims(claims, listed=len(claims)), layer=layer)
+    refs = [ClaimRef("default", claim.metadata.uid or "", name) for name, claim in claims.items()]
+    return state, layer, refs
+
+
+async def test_a_claim_whose_layer_directory_holds_many_files_goes_while_another_is_prepared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state, layer, (first, second) = _layered_state(tmp_path)
+    assert isinstance((await state.prepare([first]))[first.uid], list)
+    directory = layer.allocations / layer_allocation(first.uid, "gpu")
+    for n in range(2000):
+        (directory / f"left-by-the-tenant-{n}").write_bytes(b"")
+    order: list[str] = []
+    removing, release, removed = threading.Event(), threading.Event(), threading.Event()
+    remove = LayerDir.remove
+
+    def held_remove(self: LayerDir, allocation: str) -> None:
+        # The tenant's files take as long to remove as the other claim's Prepare takes to be answered.
+        removing.set()
+        release.wait(10)
+        remove(self, allocation)
+        order.append("removed")
+        removed.set()
+
+    monkeypatch.setattr(LayerDir, "remove", held_remove)
+    async with asyncio.TaskGroup() as group:
+        emptier = group.create_task(state.empty_trash())
+        assert (await state.unprepare([first]))[first.uid] == ""
+        assert not directory.exists(), "gone from the layer's directory when the kubelet is told"
+        await asyncio.to_thread(removing.wait, 10)
+        assert isinstance((await state.prepare([second]))[second.uid], list)
+        order.append("prepared")
+        release.set()
+        await asyncio.to_thread(removed.wait, 10)
+        emptier.cancel()
+    assert state.trash is not None and not any(state.trash.allocations.iterdir()), "the trash is emptied"
+    assert order == ["prepared", "removed"], "the other claim's Prepare waited for the tenant's files"
+    assert (layer.allocations / layer_allocation(second.uid, "gpu")).is_dir()
+
+
+async def test_the_trash_is_emptied_at_start_and_what_cannot_be_removed_is_tried_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    state, _, _ = _layered_state(tmp_path)
+    assert state.trash is not None
+    left = state.trash.allocations / "dra-x.0000"
+    left.mkdir(parents=True)
+    (left / "file").write_bytes(b"")
+    attempts: list[str] = []
+    remove = LayerDir.remove
+
+    def failing_once(self: LayerDir, allocation: str) -> None:
+        attempts.append(allocation)
+        if len(attempts) > 1:
+            remove(self, allocation)
+
+    monkeypatch.setattr(LayerDir, "remove", failing_once)
+    monkeypatch.setattr("gpuppetti.dra.state.Backoff", lambda initial, maximum: Backoff(0.01, 0.01))
+    async with asyncio.TaskGroup() as group:
+        emptier = group.create_task(state.empty_trash())
+        while left.exists():
+            await asyncio.sleep(0.01)
+        emptier.cancel()
+    assert attempts == ["dra-x.0000", "dra-x.0000"]
+    assert "cannot remove 1 directory(ies)" in caplog.text

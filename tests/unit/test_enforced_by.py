@@ -23,8 +23,9 @@ from gpuppetti.core.model import ContainerEdits, DriverLimit, Gpu, Hook, Mechani
 from gpuppetti.discovery.drm import DrmBackend, dmem_regions
 from gpuppetti.discovery.nvml import NvmlBackend
 from gpuppetti.discovery.simulated import SimulatedBackend
+from gpuppetti.dra.plan import plan_claim
 from gpuppetti.dra.slices import pool_content
-from gpuppetti.dra.state import ClaimRef, plan_claim
+from gpuppetti.kit.draplugin import ClaimRef
 from gpuppetti.node import dmem_hook
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics

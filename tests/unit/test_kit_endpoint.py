@@ -98,3 +98,22 @@ async def test_stop_leaves_a_socket_that_a_newer_instance_owns(directory: Path) 
     assert (directory / "a.sock").exists(), "gRPC unlinks the path it bound: that must not be the socket's"
     assert [entry.name for entry in directory.iterdir()] == ["a.sock"]
     newer.close()
+
+
+@pytest.mark.parametrize("points_to", ["nothing", "a file"])
+async def test_a_link_left_at_our_name_is_replaced_and_what_it_points_to_is_left(
+        directory: Path, points_to: str) -> None:
+    target = directory / "target"
+    if points_to == "a file":
+        target.write_text("someone's")
+    (directory / "a.sock").symlink_to(target)
+    endpoint = UnixEndpoint(directory / "a.sock", nothing, 0)
+    await endpoint.start()
+    assert endpoint.intact() and stat.S_ISSOCK((directory / "a.sock").lstat().st_mode)
+    if points_to == "a file":
+        assert target.read_text() == "someone's"
+    else:
+        assert not target.exists()
+    await endpoint.stop()
+    if points_to == "a file":
+        target.unlink()

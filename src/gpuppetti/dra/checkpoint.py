@@ -18,7 +18,9 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +28,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, Literal
 
+import msgspec
+
 from gpuppetti.base.fsutil import atomic_write
+from gpuppetti.core import cdi
+from gpuppetti.kit.draplugin import PreparedDevice
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +40,6 @@ VERSION = "v1"
 State = Literal["PrepareStarted", "PrepareCompleted"]
 STARTED: Final = "PrepareStarted"
 COMPLETED: Final = "PrepareCompleted"
-
-
-# Slots: a driver holds a record per prepared claim, and a node may hold a thousand.
-@dataclass(frozen=True, slots=True)
-class PreparedDevice:
-    request_names: list[str]
-    pool: str
-    device: str
-    cdi_device_ids: list[str]
-    share_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,38 +59,63 @@ class ClaimRecord:
     layer_allocations: dict[str, list[int]] = field(default_factory=dict)
 
 
-# Made once: json.dumps with options builds an encoder on every call, and a save encodes each new record. Records
-# are trees of plain values, so there is no cycle to look for.
-_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
+# The largest legitimate checkpoint, with room: 10,000 claims of four GPUs each, with the layer's mounts in their
+# specs, take 17.5 MB (test_checkpoint); a one-GPU claim takes 0.9 KB. A larger file is not read: it is moved aside
+# as a corrupt one is, since reading it whole could take the driver past its container's memory limit (192 MiB)
+# before it could do so, and again at every start.
+MAX_BYTES = 32 << 20
+
+# A path component the checkpoint names (a CDI spec's file, a layer directory): a plain name, never a way out of
+# its directory.
+_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 
 
-def _canonical(claims: Any) -> str:
-    return _ENCODER.encode(claims)
+def _is_component(value: object) -> bool:
+    return isinstance(value, str) and _COMPONENT.fullmatch(value) is not None and ".." not in value
 
 
-def _checksum(claims: dict[str, Any]) -> str:
-    return hashlib.sha256(_canonical(claims).encode()).hexdigest()
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
 
 
-def _device_json(device: PreparedDevice) -> dict[str, Any]:
-    return {"request_names": device.request_names, "pool": device.pool, "device": device.device,
-            "cdi_device_ids": device.cdi_device_ids, "share_id": device.share_id}
+def _body(record: ClaimRecord) -> dict[str, Any]:
+    """The record as its entry in the file holds it: every field of its type, by name (a field added later is
+    written and checksummed with the others), the CDI spec as the JSON object its bytes are, neither copied nor
+    encoded again."""
+    body = {name: getattr(record, name) for name in _field_names(type(record))}
+    spec = body.get("cdi_spec")
+    body["cdi_spec"] = None if spec is None else msgspec.Raw(spec)
+    return body
 
 
-def _entry(key: str, record: ClaimRecord) -> tuple[bytes, ...]:
-    """The record's entry in the claims object as ``_canonical`` writes it: its quoted uid ``key``, a colon and its
-    canonical JSON, in pieces. The CDI spec's piece is the record's own bytes, shared rather than copied."""
-    # By hand rather than dataclasses.asdict, which deep-copies; the spec is spliced in, not encoded again.
-    body = {"uid": record.uid, "namespace": record.namespace, "name": record.name, "state": record.state,
-            "devices": [_device_json(device) for device in record.devices], "cdi_file": record.cdi_file,
-            "layer_allocations": record.layer_allocations}
-    if record.cdi_spec is None:
-        return (f"{key}:{_canonical({**body, 'cdi_spec': None})}".encode(),)
-    text = _canonical(body)
-    # Keys sorted, cdi_spec goes between cdi_file and devices; nothing before that point can read ',"devices":',
-    # since a quote inside a JSON string is escaped.
-    cut = text.index(',"devices":')
-    return f'{key}:{text[:cut]},"cdi_spec":'.encode(), record.cdi_spec, text[cut:].encode()
+# Object keys sorted at every level, whatever the order of the fields: the canonical encoding the checksum is over.
+_ENCODER = msgspec.json.Encoder(order="sorted")
+
+
+def _pieces(claims: Mapping[str, ClaimRecord]) -> Iterator[bytes]:
+    """The claims object in its canonical encoding, a record at a time: a thousand claims are never held again as
+    one document."""
+    yield b"{"
+    for number, uid in enumerate(sorted(claims)):
+        yield (b"," if number else b"") + _ENCODER.encode(uid) + b":"
+        yield _ENCODER.encode(_body(claims[uid]))
+    yield b"}"
+
+
+def _checksum(claims: Mapping[str, ClaimRecord]) -> str:
+    digest = hashlib.sha256()
+    for piece in _pieces(claims):
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+# The checksum as the first v1 writers computed it, over the standard library's encoding of the claims they read
+# (which escapes what is not ASCII): a file of theirs whose records hold such text still verifies.
+_LEGACY = json.JSONEncoder(sort_keys=True, separators=(",", ":"), check_circular=False)
+
+
+def _legacy_checksum(claims: Any) -> str:
+    return hashlib.sha256(_LEGACY.encode(claims).encode()).hexdigest()
 
 
 class CorruptCheckpoint(Exception):
@@ -120,11 +141,11 @@ _DEVICE_FIELDS: dict[str, Any] = {
     "cdi_device_ids": _is_strings, "share_id": lambda v: v is None or isinstance(v, str),
 }
 _CLAIM_FIELDS: dict[str, Any] = {
-    "uid": lambda v: isinstance(v, str), "namespace": lambda v: isinstance(v, str),
+    "uid": _is_component, "namespace": lambda v: isinstance(v, str),
     "name": lambda v: isinstance(v, str), "state": lambda v: v in (STARTED, COMPLETED),
     "devices": lambda v: isinstance(v, list), "cdi_spec": lambda v: v is None or isinstance(v, dict),
-    "cdi_file": lambda v: v is None or isinstance(v, str),
-    "layer_allocations": lambda v: isinstance(v, dict) and all(
+    "cdi_file": lambda v: v is None or _is_component(v),
+    "layer_allocations": lambda v: isinstance(v, dict) and all(_is_component(key) for key in v) and all(
         isinstance(memories, list) and all(isinstance(m, int) and not isinstance(m, bool) for m in memories)
         for memories in v.values()),
 }
@@ -150,21 +171,23 @@ def _checked(where: str, raw: object, checks: dict[str, Any], kind: type, lenien
 def _records(claims: dict[str, Any], lenient: bool) -> dict[str, ClaimRecord]:
     records: dict[str, ClaimRecord] = {}
     for uid, raw in claims.items():
-        fields = _checked(f"claim {uid}", raw, _CLAIM_FIELDS, ClaimRecord, lenient)
+        fields = _checked(f"claim {str(uid)[:80]!r}", raw, _CLAIM_FIELDS, ClaimRecord, lenient)
+        if fields["uid"] != uid:
+            raise CorruptCheckpoint(f"claim {uid[:80]!r}: its record names uid {fields['uid'][:80]!r}")
         devices = [PreparedDevice(**_checked(f"claim {uid}: device {index}", device, _DEVICE_FIELDS,
                                              PreparedDevice, lenient))
                    for index, device in enumerate(fields.pop("devices", []))]
         spec = fields.pop("cdi_spec", None)
-        records[uid] = ClaimRecord(devices=devices, cdi_spec=None if spec is None else _canonical(spec).encode(),
-                                   **fields)
+        records[uid] = ClaimRecord(devices=devices,
+                                   cdi_spec=None if spec is None else cdi.encode_spec(spec).encode(), **fields)
     return records
 
 
 def decode(raw: bytes) -> tuple[dict[str, ClaimRecord], str]:
     """The records in ``raw`` and the version that wrote them. Raises CorruptCheckpoint."""
     try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        document = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
         raise CorruptCheckpoint(f"not JSON: {exc}") from exc
     if not isinstance(document, dict):
         raise CorruptCheckpoint("not a JSON object")
@@ -175,20 +198,38 @@ def decode(raw: bytes) -> tuple[dict[str, ClaimRecord], str]:
     if not isinstance(claims, dict):
         raise CorruptCheckpoint("no claims object")
     if version == VERSION:
-        if document.get("checksum") != _checksum(claims):
+        records = _records(claims, lenient=False)
+        # Over the data read, not the file's bytes: the order of its fields is no part of it.
+        checksum = document.get("checksum")
+        if checksum != _checksum(records) and checksum != _legacy_checksum(claims):
             raise CorruptCheckpoint("checksum mismatch")
-        return _records(claims, lenient=False), version
+        return records, version
     # A newer version may add fields (and checksum them its own way): take what this version knows.
     return _records(claims, lenient=True), version
+
+
+def _read(path: Path) -> bytes:
+    """The file's bytes, if it is a regular file no larger than MAX_BYTES. Raises CorruptCheckpoint, OSError."""
+    with path.open("rb") as file:
+        st = os.fstat(file.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            raise CorruptCheckpoint("a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpoint("not a regular file")
+        if st.st_size > MAX_BYTES:
+            raise CorruptCheckpoint(f"{st.st_size:,} bytes, over the {MAX_BYTES >> 20} MiB a checkpoint of 10,000 "
+                                    "claims stays within")
+        # Bounded even if it grows meanwhile.
+        raw = file.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise CorruptCheckpoint(f"over the {MAX_BYTES >> 20} MiB a checkpoint of 10,000 claims stays within")
+    return raw
 
 
 class Checkpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._claims: Mapping[str, ClaimRecord] = MappingProxyType({})
-        # Each saved record, by uid, with its quoted uid and its entry in the canonical claims object (_entry):
-        # records are never changed, only replaced, so a save encodes only new ones.
-        self._entries: dict[str, tuple[ClaimRecord, str, tuple[bytes, ...]]] = {}
 
     @property
     def claims(self) -> Mapping[str, ClaimRecord]:
@@ -199,12 +240,13 @@ class Checkpoint:
         """Read the file. Returns where a corrupt (or newer) file's copy was put, after logging why; None otherwise.
         Raises UnusableCheckpoint when the path cannot hold a checkpoint at all."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self._entries = {}
         try:
-            if self.path.is_dir():
-                raise CorruptCheckpoint("a directory, not a file")
-            raw = self.path.read_bytes()
+            try:
+                raw = _read(self.path)
+            except IsADirectoryError as exc:
+                raise CorruptCheckpoint("a directory, not a file") from exc
             records, version = decode(raw)
+            del raw
         except FileNotFoundError:
             self._claims = MappingProxyType({})
             return None
@@ -236,31 +278,8 @@ class Checkpoint:
     def save(self, claims: Mapping[str, ClaimRecord]) -> None:
         """Write ``claims`` durably, then take them as the current state. Blocks (fsync): call it in a thread.
         Raises OSError, and keeps the previous state, when the write fails."""
-        entries: dict[str, tuple[ClaimRecord, str, tuple[bytes, ...]]] = {}
-        previous = self._entries
-        for uid in sorted(claims):
-            record = claims[uid]
-            cached = previous.get(uid)
-            if cached is not None and cached[0] is record:
-                entries[uid] = cached
-                continue
-            key = cached[1] if cached is not None else _ENCODER.encode(uid)
-            entries[uid] = (record, key, _entry(key, record))
-
-        def claims_object() -> Iterator[bytes]:
-            # As _canonical writes the claims (keys sorted, compact), from the records' entries, a piece at a time:
-            # a thousand claims are never held again as one document.
-            yield b"{"
-            for number, (_, _, entry) in enumerate(entries.values()):
-                if number:
-                    yield b","
-                yield from entry
-            yield b"}"
-
-        digest = hashlib.sha256()
-        for piece in claims_object():
-            digest.update(piece)
-        header = f'{{"version":"{VERSION}","checksum":"{digest.hexdigest()}","claims":'.encode()
-        atomic_write(self.path, itertools.chain([header], claims_object(), [b"}\n"]), mode=0o600)
+        # Encoded twice, a record at a time (for the checksum, then for the file), rather than held encoded: msgspec
+        # encodes a thousand records in a few milliseconds.
+        header = f'{{"version":"{VERSION}","checksum":"{_checksum(claims)}","claims":'.encode()
+        atomic_write(self.path, itertools.chain([header], _pieces(claims), [b"}\n"]), mode=0o600)
         self._claims = MappingProxyType(dict(claims))
-        self._entries = entries

@@ -23,9 +23,9 @@ from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
 from gpuppetti.core.model import Serves
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
-from gpuppetti.dra.plugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
 from gpuppetti.dra.slices import pool_content
 from gpuppetti.dra.state import DraState
+from gpuppetti.kit.draplugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
 from gpuppetti.kit.endpoint import UnixEndpoint
 from gpuppetti.kit.publisher import SlicePublisher
 from gpuppetti.kit.registration import PluginRegistration, serve_and_register
@@ -141,6 +141,10 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
                                options.node_name, metrics, registration.confirmed)
 
     def waiting_for() -> str | None:
+        for endpoint, what in ((dra_endpoint, "service"), (registration_endpoint, "registration")):
+            # Our own socket that cannot be served: not the kubelet's doing.
+            if endpoint.problem is not None:
+                return f"cannot serve the driver's {what} socket: {endpoint.problem}"
         if not registration.registered:
             return f"the kubelet has not confirmed the registration ({registration.last_error or 'no answer yet'})"
         if not publisher.published.is_set():
@@ -155,6 +159,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
 
     runtime.spawn("kubelet-services", serve_and_register(dra_endpoint, registration_endpoint, f"DRA driver {driver}"))
     runtime.spawn("cdi-specs", _keep_cdi_specs(state))
+    runtime.spawn("layer-trash", state.empty_trash())
     runtime.spawn("slices-inventory", publisher.follow_inventory())
     runtime.spawn("slices-reconcile", publisher.reconcile_loop())
     runtime.spawn("slices-watch", publisher.watch())

@@ -14,26 +14,23 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from gpuppetti.base.fsutil import remove_file
-from gpuppetti.base.syntax import DNS_LABEL, UID, is_dns_subdomain
+from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.fsutil import is_mount_point, make_directory, remove_file
 from gpuppetti.core import cdi
 from gpuppetti.core.kubeobjects import ResourceClaim
-from gpuppetti.core.model import ContainerEdits, Health
-from gpuppetti.dra import opaque
-from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice
+from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
+from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError, layer_allocation, plan_claim
+from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.kube import ApiError, NotFound
 from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
-from gpuppetti.sharing.budgets import Enforce, share_budgets
-from gpuppetti.sharing.edits import MpsSettings, claim_edits
-from gpuppetti.sharing.limits import with_limits
-from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 
 log = logging.getLogger(__name__)
 
@@ -54,118 +51,9 @@ class ClaimReader(Protocol):
 LIST_FROM = 16
 
 
-class PrepareError(Exception):
-    """Preparing one claim failed; the message goes to the kubelet in that claim's entry."""
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    namespace: str
-    uid: str
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} ({self.uid})"
-
-
-def claim_problem(claim: ClaimRef) -> str | None:
-    """Why the kubelet's reference cannot be a real claim; None when it can."""
-    # A claim UID becomes part of a file name: nothing but a UID may pass.
-    if not UID.fullmatch(claim.uid):
-        return f"claim uid {claim.uid[:80]!r} is not a Kubernetes UID"
-    if not DNS_LABEL.fullmatch(claim.namespace):
-        return f"claim namespace {claim.namespace[:80]!r} is not a valid namespace name"
-    if not is_dns_subdomain(claim.name):
-        return f"claim name {claim.name[:80]!r} is not a valid object name"
-    return None
-
-
-@dataclass(frozen=True)
-class _Plan:
-    devices: list[PreparedDevice]
-    spec: dict[str, Any]
-    filename: str
-    # The Vulkan layer's directory of each request that gets one, with each GPU's budget.
-    allocations: dict[str, list[int]] = field(default_factory=dict)
-
-
-def layer_allocation(uid: str, request: str) -> str:
-    return f"{LAYER_PREFIX}{uid}-{request}"
-
-
-LAYER_PREFIX = "dra-"
-
-
-def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: str, kind: str,
-               layer: LayerDir | None = None) -> _Plan:
-    """Everything Prepare will do for ``claim``, computed before anything is written. Raises PrepareError."""
-    driver = snapshot.config.dra.driver_name
-    where = f"ResourceClaim {claim.namespace}/{claim.name}"
-    if obj.metadata.uid != claim.uid:
-        raise PrepareError(f"{where} was replaced: its uid is {obj.metadata.uid}, the kubelet asked for {claim.uid}")
-    allocation = obj.status.allocation
-    if allocation is None:
-        raise PrepareError(f"{where} is not allocated")
-    results = [r for r in allocation.devices.results if r.driver == driver]
-    if not results:
-        raise PrepareError(f"{where} has no devices of driver {driver}")
-
-    by_request: dict[str, list[Share]] = {}
-    problems: list[str] = []
-    for result in results:
-        if result.pool != node:
-            problems.append(f"device {result.device} is in pool {result.pool!r}, not this node's {node!r}")
-            continue
-        device = snapshot.pool.devices.get(result.device)
-        if device is None:
-            problems.append(f"device {result.device} is not published by this node")
-            continue
-        gpu = snapshot.gpus[device.gpu_id]
-        if gpu.health is not Health.HEALTHY:
-            problems.append(f"device {result.device} ({gpu.id}) is {gpu.health}")
-            continue
-        try:
-            share = claim_share(device, gpu, result.consumed_capacity, result.share_id)
-        except ShareError as exc:
-            problems.append(str(exc))
-            continue
-        by_request.setdefault(result.request.split("/", 1)[0], []).append(share)
-    if problems:
-        raise PrepareError("; ".join(problems))
-
-    cdi_devices: list[tuple[str, ContainerEdits]] = []
-    prepared: list[PreparedDevice] = []
-    allocations: dict[str, list[int]] = {}
-    enforce = Enforce(snapshot.config.sharing.enforce_memory, snapshot.config.sharing.enforce_compute)
-    for request, shares in by_request.items():
-        try:
-            config = opaque.config_for_request(allocation.devices.config, driver, request)
-        except opaque.OpaqueConfigError as exc:
-            raise PrepareError(str(exc)) from exc
-        strategy = config.sharing.strategy
-        for share in shares:
-            if (why := cannot_honour(strategy, share)) is not None:
-                raise PrepareError(f"request {request}: sharing strategy {strategy} cannot be honoured on device "
-                                   f"{share.device.name} ({share.gpu.id}): {why}")
-        mps = config.sharing.mps or opaque.NO_MPS
-        settings = MpsSettings(mps.active_thread_percentage, mps.pinned_device_memory_limit, mps.pipe_directory)
-        cdi_name = f"claim-{claim.uid}-{request}"
-        edits = claim_edits(shares, strategy, settings, snapshot.gpus, claim.uid)
-        budgets = share_budgets(shares, enforce) if enforce else []
-        if budgets and layer is not None:
-            # Every container of the claim mounts the request's one directory: they share its budget.
-            allocation_id = layer_allocation(claim.uid, request)
-            edits.merge(layer.edits(allocation_id, budgets))
-            allocations[allocation_id] = [budget.memory for budget in budgets]
-        if budgets:
-            edits = with_limits(edits, budgets, layer.path if layer is not None else None)
-        cdi_devices.append((cdi_name, edits))
-        for position, share in enumerate(shares):
-            # One CDI device per request carries the edits of all its GPUs, so a container that gets the
-            # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
-            ids = [cdi.qualified_name(kind, cdi_name)] if position == 0 else []
-            prepared.append(PreparedDevice([request], node, share.device.name, ids, share.share_id))
-    return _Plan(prepared, cdi.build_spec(kind, cdi_devices), cdi.spec_filename(kind, claim.uid), allocations)
+# Beside the layer's allocations, on the same file system: a claim's directory is renamed into it under the state
+# lock (one rename) and removed from there with no lock held, however many files a tenant left in it.
+TRASH = "dra-trash"
 
 
 def _named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
@@ -251,6 +139,10 @@ class DraState:
         self.missing_specs: dict[str, str] = {}
         # The pods a claim was reserved for when it was read to be prepared (for /metrics; not kept across a restart).
         self._pods: dict[str, str] = {}
+        # Layer directories of claims that went, renamed here to be removed outside the lock (empty_trash).
+        self.trash = None if layer is None else LayerDir(layer.path / TRASH)
+        self._trashed = asyncio.Event()
+        self._trashed.set()  # what an earlier instance left there goes too
 
     @property
     def prepared(self) -> int:
@@ -270,7 +162,9 @@ class DraState:
         remove specs the checkpoint does not hold as prepared. Returns how many were re-created; those that could
         not be are in ``missing_specs`` until a later call succeeds."""
         async with self._lock:
-            return await _run_to_the_end(self._restore)
+            restored = await _run_to_the_end(self._restore)
+        self._trashed.set()
+        return restored
 
     def _restore(self) -> int:
         present = self._spec_files()
@@ -301,7 +195,7 @@ class DraState:
                 if record.state == COMPLETED for allocation, memories in record.layer_allocations.items()}
         for allocation in self.layer.existing():
             if allocation.startswith(LAYER_PREFIX) and allocation not in kept:
-                self.layer.remove(allocation)
+                self._discard(allocation)
         for allocation, (uid, memories) in kept.items():
             try:
                 self.layer.create(allocation, memories, fresh=False)
@@ -321,25 +215,19 @@ class DraState:
 
     async def _prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | PrepareError]:
         answers: dict[str, list[PreparedDevice] | PrepareError] = {}
-        valid: list[ClaimRef] = []
-        for claim in claims:
-            if (problem := claim_problem(claim)) is not None:
-                answers[claim.uid] = PrepareError(problem)
-            else:
-                valid.append(claim)
         async with self._lock:
-            done = {claim.uid: devices for claim in valid if (devices := self._completed(claim)) is not None}
+            done = {claim.uid: devices for claim in claims if (devices := self._completed(claim)) is not None}
             answers.update(done)
-            pending = [claim for claim in valid if claim.uid not in done]
+            pending = [claim for claim in claims if claim.uid not in done]
             if done:
-                await self._ensure_specs([c for c in valid if c.uid in done], answers)
+                await self._ensure_specs([c for c in claims if c.uid in done], answers)
         began = time.perf_counter()
         # The network, with no lock held: an Unprepare meanwhile answers at once.
         # The pending claims of each namespace, by name.
         namespaces: dict[str, dict[str, ClaimRef]] = {}
         for claim in pending:
             namespaces.setdefault(claim.namespace, {})[claim.name] = claim
-        plans: dict[str, _Plan | PrepareError] = {}
+        plans: dict[str, Plan | PrepareError] = {}
         snapshot = self._inventory.snapshot
         await asyncio.gather(*(self._list_and_plan(ns, wanted, snapshot, plans)
                                for ns, wanted in namespaces.items() if len(wanted) >= LIST_FROM))
@@ -351,7 +239,7 @@ class DraState:
             plans.update(zip((claim.uid for claim in unlisted), read_one_by_one, strict=True))
         read = time.perf_counter()
         async with self._lock:
-            planned: dict[str, tuple[ClaimRef, _Plan]] = {}
+            planned: dict[str, tuple[ClaimRef, Plan]] = {}
             for claim in pending:
                 plan = plans[claim.uid]
                 if (devices := self._completed(claim)) is not None:
@@ -390,7 +278,7 @@ class DraState:
             for uid, why in (await _run_to_the_end(_write_specs, self.cdi_dir, missing)).items():
                 answers[uid] = PrepareError(why)
 
-    def _commit(self, planned: Mapping[str, tuple[ClaimRef, _Plan]]) -> dict[str, list[PreparedDevice] | PrepareError]:
+    def _commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> dict[str, list[PreparedDevice] | PrepareError]:
         """Checkpoint the claims PrepareStarted, make their layer directories and CDI specs, checkpoint them
         PrepareCompleted; each claim's answer. Blocks (fsync): run in one thread, under the state lock."""
         started = {**self.checkpoint.claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED,
@@ -432,7 +320,7 @@ class DraState:
                           ", ".join(d.device for d in plan.devices))
         return answers
 
-    def _write(self, planned: Mapping[str, tuple[ClaimRef, _Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
+    def _write(self, planned: Mapping[str, tuple[ClaimRef, Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
         """The claims' layer directories, then their CDI specs (which mount them); the errors by claim."""
         failed: dict[str, str] = {}
         for uid, (_, plan) in planned.items():
@@ -449,7 +337,7 @@ class DraState:
         return failed
 
     async def _list_and_plan(self, namespace: str, wanted: Mapping[str, ClaimRef], snapshot: Snapshot,
-                             plans: dict[str, _Plan | PrepareError]) -> None:
+                             plans: dict[str, Plan | PrepareError]) -> None:
         """Plan the claims ``wanted`` (by name) of ``namespace`` as a list of it reads them: a claim's object lives
         only until it is planned, never a thousand of them beside their thousand plans."""
         try:
@@ -460,7 +348,7 @@ class DraState:
         except ApiError as exc:
             log.warning("%s; reading the rest of its claims one by one instead", exc)
 
-    async def _read_and_plan(self, claim: ClaimRef) -> _Plan | PrepareError:
+    async def _read_and_plan(self, claim: ClaimRef) -> Plan | PrepareError:
         try:
             obj = await self._claims.get_claim(claim.namespace, claim.name)
         except NotFound as exc:
@@ -469,12 +357,81 @@ class DraState:
             return PrepareError(str(exc))
         return self._plan(claim, obj, self._inventory.snapshot)
 
-    def _plan(self, claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot) -> _Plan | PrepareError:
+    def _plan(self, claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot) -> Plan | PrepareError:
         self._pods[claim.uid] = ",".join(sorted(c.name for c in obj.status.reserved_for if c.resource == "pods"))
         try:
             return plan_claim(claim, obj, snapshot, self.node, self.kind, self.layer)
         except PrepareError as exc:
             return exc
+
+    # -- layer directories that went -------------------------------------------------------------------------
+
+    def _discard(self, allocation: str) -> None:
+        """Move a claim's layer directory into the trash: one rename, so that the state lock is held for no more,
+        whatever the directory holds. Blocks (a system call or two): call it in a thread."""
+        assert self.layer is not None and self.trash is not None
+        source = self.layer.allocations / allocation
+        if is_mount_point(source):
+            # A tmpfs of its own, sized for its accounting files: bounded, so removed here at once (rename(2)
+            # would refuse a mount point, EBUSY). What cannot go is retried by the next Unprepare or start.
+            self.layer.remove(allocation)
+            return
+        # A name of its own in the trash: an earlier directory of the same claim may still be there.
+        target = self.trash.allocations / f"{allocation[:100]}.{secrets.token_hex(4)}"
+        try:
+            make_directory(self.trash.allocations)
+            os.rename(source, target)
+        except FileNotFoundError:
+            if source.exists():
+                log.error("cannot move the Vulkan layer's directory %s into %s: it vanished", source, target.parent)
+            return
+        except OSError as exc:
+            log.error("cannot move the Vulkan layer's directory %s into %s (%s); it stays until the driver starts "
+                      "again", source, target.parent, exc.strerror or exc)
+            return
+
+    def _discard_all(self, allocations: Sequence[str]) -> None:
+        for allocation in allocations:
+            self._discard(allocation)
+
+    def _empty_trash(self) -> list[str]:
+        """Remove what the trash holds; returns what could not be removed. Blocks: call it in a thread."""
+        assert self.trash is not None
+        try:
+            entries = list(os.scandir(self.trash.allocations))
+        except FileNotFoundError:
+            return []
+        left = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                self.trash.remove(entry.name)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            if os.path.lexists(entry.path):
+                left.append(entry.name)
+        return left
+
+    async def empty_trash(self) -> None:
+        """Duty: remove the layer directories of claims that went, with no lock held, as they arrive and at
+        start; what cannot be removed is logged and tried again after a while."""
+        if self.trash is None:
+            return
+        backoff = Backoff(1.0, 300.0)
+        while True:
+            await self._trashed.wait()
+            self._trashed.clear()
+            left = await asyncio.to_thread(self._empty_trash)
+            if not left:
+                backoff.reset()
+                continue
+            delay = backoff.next()
+            log.warning("cannot remove %d directory(ies) from %s yet (%s); trying again in %.0fs", len(left),
+                        self.trash.allocations, ", ".join(left[:3]), delay)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._trashed.wait()
+            self._trashed.set()
 
     def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
         """Each held slice of a prepared claim, as its accounting file says, labelled with the claim's namespace, the
@@ -502,15 +459,9 @@ class DraState:
         """Forget every claim of one call; a claim that was never prepared is simply not there. Each answer is ""
         (done) or why not; "done" only once the checkpoint no longer holds the claim."""
         answers: dict[str, str] = {}
-        valid: list[ClaimRef] = []
-        for claim in claims:
-            if (problem := claim_problem(claim)) is not None:
-                answers[claim.uid] = problem
-            else:
-                valid.append(claim)
         async with self._lock:
             current = self.checkpoint.claims
-            gone = [claim for claim in valid if claim.uid in current]
+            gone = [claim for claim in claims if claim.uid in current]
             directories = [allocation for claim in gone for allocation in current[claim.uid].layer_allocations]
             if gone:
                 remaining = {uid: record for uid, record in current.items() if uid not in {c.uid for c in gone}}
@@ -518,7 +469,7 @@ class DraState:
                     await _run_to_the_end(self.checkpoint.save, remaining)
                 except OSError as exc:
                     why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
-                    for claim in valid:
+                    for claim in claims:
                         answers[claim.uid] = why
                     return answers
                 for claim in gone:
@@ -526,11 +477,11 @@ class DraState:
                 log.info("unprepared %s", _named(gone))
             # After the checkpoint let them go; a spec the checkpoint never held goes too.
             await _run_to_the_end(_remove_specs, self.cdi_dir,
-                                  [cdi.spec_filename(self.kind, claim.uid) for claim in valid])
-            if self.layer is not None:
-                for allocation in directories:
-                    await _run_to_the_end(self.layer.remove, allocation)
-            for claim in valid:
+                                  [cdi.spec_filename(self.kind, claim.uid) for claim in claims])
+            if directories:
+                await _run_to_the_end(self._discard_all, directories)
+                self._trashed.set()
+            for claim in claims:
                 self.missing_specs.pop(claim.uid, None)
                 self._pods.pop(claim.uid, None)
                 answers[claim.uid] = ""

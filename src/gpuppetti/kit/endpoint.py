@@ -1,8 +1,10 @@
 """A gRPC server on a Unix socket of ours, as the kubelet's plugins serve: the device plugin's resources, the DRA
 service and the DRA registration all serve through it.
 
-What it guards against: a path too long for a Unix socket, something that is not a socket where ours goes, a stale
-socket left by an earlier instance (removed: the caller holds the directory's lock), the socket deleted or replaced
+What it guards against: a path too long for a Unix socket, a file or directory where ours goes (said, and kept: it
+may be someone's), a stale socket or a symbolic link (dangling or not) left at our name by an earlier instance
+(replaced: the caller holds the directory's lock, so the name is ours; the link itself goes, never what it points
+to), the socket deleted or replaced
 between bind and chmod (the kubelet empties its directories when it starts), and removing at stop a socket that a
 newer instance owns now.
 
@@ -45,6 +47,8 @@ class UnixEndpoint:
         self._grace_s = grace_s
         self._server: grpc.aio.Server | None = None
         self._inode: int | None = None
+        # Why the socket could not be served at the last try (for /healthz); None once it is served.
+        self.problem: str | None = None
 
     @property
     def serving(self) -> bool:
@@ -75,10 +79,11 @@ class UnixEndpoint:
         except OSError as exc:
             raise SocketError(f"cannot look at {self.path}: {exc.strerror}") from exc
         else:
-            if not stat.S_ISSOCK(st.st_mode):
+            if stat.S_ISDIR(st.st_mode) or not (stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                 kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a file that is not a socket"
                 raise SocketError(f"{self.path} is {kind}; the socket cannot be created there")
-            # A socket left behind by an earlier instance: the caller holds the directory's lock, so it is nobody's.
+            # A socket or a link left at our name by an earlier instance: the caller holds the directory's lock, so
+            # it is nobody's. A link goes itself (unlink never follows it), whatever it points to, if anything.
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         server = new_server()

@@ -68,8 +68,10 @@ async def serve(endpoint: UnixEndpoint, what: str) -> None:
     while True:
         try:
             await endpoint.start()
+            endpoint.problem = None
             return
         except SocketError as exc:
+            endpoint.problem = str(exc)
             delay = backoff.next()
             log.error("cannot serve the %s yet: %s; trying again in %.1fs", what, exc, delay)
             await asyncio.sleep(delay)

@@ -1,5 +1,8 @@
-"""The kubelet-facing gRPC services of the DRA driver: DRAPlugin v1 and v1beta1, and resource health (its
-registration is the kit's)."""
+"""The DRA side of the kit, in the shape of Kubernetes' Go kubelet-plugin helper: the DRAPlugin v1 and v1beta1
+servicers, the checks of the kubelet's claim references (once, here), the prepare and unprepare metrics, and the
+resource health stream. A driver gives it two callbacks (DraDriver): prepare(claims), answering each claim with its
+devices or its error, and unprepare(claims), answering each with "" or why not; it sees only claims that passed
+the checks. Registration is the kit's too (registration.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -21,9 +25,8 @@ from gpuppetti._proto.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as health
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpuppetti.base.memory import give_back_free_memory
+from gpuppetti.base.syntax import DNS_LABEL, UID, is_dns_subdomain
 from gpuppetti.core.model import Health
-from gpuppetti.dra.checkpoint import PreparedDevice
-from gpuppetti.dra.state import ClaimRef, DraState, PrepareError
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.metrics import Metrics
 
@@ -33,6 +36,54 @@ SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResource
 PLUGIN_TYPE = "DRAPlugin"
 # The kubelet marks a device Unknown when it hears nothing about it for this long; re-send well within it.
 HEALTH_REFRESH_S = 10.0
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """The kubelet's reference to a claim."""
+
+    namespace: str
+    uid: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.uid})"
+
+
+# Slots: a driver holds these for every prepared claim, and a node may hold a thousand.
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    """One device of a prepared claim, as the kubelet is told it."""
+
+    request_names: list[str]
+    pool: str
+    device: str
+    cdi_device_ids: list[str]
+    share_id: str | None = None
+
+
+class DraDriver(Protocol):
+    """What a DRA driver gives the helper: the claims it is given passed claim_problem, none listed twice."""
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, Sequence[PreparedDevice] | Exception]:
+        """Each claim's devices, or the error its entry gets."""
+        ...
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
+        """Each claim's answer: "" once it is unprepared, else why not."""
+        ...
+
+
+def claim_problem(claim: ClaimRef) -> str | None:
+    """Why the kubelet's reference cannot be a real claim; None when it can."""
+    # A claim UID becomes part of a file name: nothing but a UID may pass.
+    if not UID.fullmatch(claim.uid):
+        return f"claim uid {claim.uid[:80]!r} is not a Kubernetes UID"
+    if not DNS_LABEL.fullmatch(claim.namespace):
+        return f"claim namespace {claim.namespace[:80]!r} is not a valid namespace name"
+    if not is_dns_subdomain(claim.name):
+        return f"claim name {claim.name[:80]!r} is not a valid object name"
+    return None
 
 
 def _claims(request: Any) -> list[ClaimRef]:
@@ -50,25 +101,39 @@ def _malformed(claims: Sequence[ClaimRef]) -> str | None:
     return None
 
 
-class DraService:
-    """The version-independent part: one answer per claim, errors per claim."""
+def _checked(claims: Sequence[ClaimRef]) -> tuple[list[ClaimRef], dict[str, str]]:
+    """The claims that may reach the driver, and the problem of each that may not."""
+    valid: list[ClaimRef] = []
+    problems: dict[str, str] = {}
+    for claim in claims:
+        if (problem := claim_problem(claim)) is not None:
+            problems[claim.uid] = problem
+        else:
+            valid.append(claim)
+    return valid, problems
 
-    def __init__(self, state: DraState, metrics: Metrics) -> None:
-        self.state = state
+
+class DraService:
+    """The version-independent part: one answer per claim, errors per claim, the driver's callbacks around."""
+
+    def __init__(self, driver: DraDriver, metrics: Metrics) -> None:
+        self.driver = driver
         self._metrics = metrics
 
-    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, list[PreparedDevice] | str]:
-        answers: dict[str, list[PreparedDevice] | str] = {}
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Sequence[PreparedDevice] | str]:
+        answers: dict[str, Sequence[PreparedDevice] | str] = {}
+        valid, problems = _checked(claims)
         with self._metrics.prepare_seconds.time():
             try:
-                results = await self.state.prepare(claims)
+                results: Mapping[str, Sequence[PreparedDevice] | Exception] = \
+                    await self.driver.prepare(valid) if valid else {}
             except Exception as exc:  # never a gRPC error: the kubelet would ignore every claim's answer
                 log.exception("prepare failed")
-                results = {claim.uid: PrepareError(f"internal error: {exc}") for claim in claims}
+                results = dict.fromkeys((claim.uid for claim in valid), RuntimeError(f"internal error: {exc}"))
         failed = 0
         for claim in claims:
-            result = results[claim.uid]
-            if isinstance(result, PrepareError):
+            result = problems.get(claim.uid) or results[claim.uid]
+            if isinstance(result, str | Exception):
                 log.warning("prepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, result)
                 answers[claim.uid] = str(result)
                 failed += 1
@@ -84,19 +149,20 @@ class DraService:
         return answers
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        valid, answers = _checked(claims)
         with self._metrics.unprepare_seconds.time():
             try:
-                answers = await self.state.unprepare(claims)
+                answers.update(await self.driver.unprepare(valid) if valid else {})
             except Exception as exc:  # never a gRPC error: the kubelet would ignore every claim's answer
                 log.exception("unprepare failed")
-                answers = {claim.uid: f"internal error: {exc}" for claim in claims}
+                answers.update({claim.uid: f"internal error: {exc}" for claim in valid})
         for claim in claims:
             error = answers[claim.uid]
             if error:
                 log.warning("unprepare %s/%s (%s) failed: %s", claim.namespace, claim.name, claim.uid, error)
             self._metrics.unprepare_requests.labels("error" if error else "ok").inc()
         give_back_free_memory()
-        return answers
+        return {claim.uid: answers[claim.uid] for claim in claims}
 
 
 class _DraPlugin:
