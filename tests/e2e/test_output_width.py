@@ -15,7 +15,7 @@ from rich.console import Console
 from bench.run import Figure, render
 from tests.e2e.piecemeal import PiecemealServer
 from tests.fixtures import MACHINES
-from tests.helpers import run_here
+from tests.helpers import run_here, short_tmpdir
 
 pytestmark = pytest.mark.e2e
 
@@ -62,6 +62,17 @@ def test_discover_fits(tmp_path: Path, machine: str, label: str, columns: str | 
         shown = "device nodes" in result.stdout.splitlines()[2]
         for path in record["device_nodes"] if shown else ():
             assert path in result.stdout, path
+
+
+def test_discover_finding_nothing_says_so_in_lines_that_fit() -> None:
+    # Nothing here: no sysfs, no NVML module, not macOS, no simulated GPUs. Each backend's reason is one line.
+    host = short_tmpdir()
+    result = run_here("discover", "--host-root", str(host), env={"PYTHONPATH": "/nonexistent"})
+    host.rmdir()
+    assert result.returncode == 1
+    assert "looked at:" in result.stderr
+    for line in result.stderr.splitlines():
+        assert cell_len(line) <= 80, f"{cell_len(line)} columns: {line!r}"
 
 
 # A GPU whose line is wider than 80 columns: its id, model, memory, health, and how much of it is held.

@@ -139,8 +139,7 @@ class NvmlBackend:
             try:
                 self._nvml = importlib.import_module(NVML_MODULE)
             except ImportError:
-                self._why_not = ("nvidia-ml-py is not installed (pip install nvidia-ml-py, or the nvml extra: "
-                                 "pip install '.[nvml]' in a checkout)")
+                self._why_not = "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
                 return None
             preload_host_library(self.host_root)
         return self._nvml
