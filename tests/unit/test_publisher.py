@@ -3,6 +3,8 @@ official schemas): what it writes, what it leaves alone, and the pool's generati
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,3 +142,15 @@ async def test_with_its_node_the_node_owns_the_slices(bench: Bench) -> None:
     for published in bench.slices().values():
         [owner] = published["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("Node", NODE, node_uid)
+
+
+async def test_the_wait_for_registration_is_logged_once(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
+    registered = asyncio.Event()
+    publisher = SlicePublisher(bench.kube, bench.inventory, pool_content, NODE, Metrics(), registered)
+    with caplog.at_level(logging.INFO, logger="gpuppetti.kit.publisher"):
+        waiting = [asyncio.create_task(publisher.wait_registered()) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        registered.set()
+        await asyncio.gather(*waiting)
+    said = [record for record in caplog.records if "waiting for the kubelet to register" in record.message]
+    assert len(said) == 1

@@ -95,6 +95,7 @@ class SlicePublisher:
         self._inventory = inventory
         self.node = node
         self._registered = registered
+        self._said_waiting = False
         self._dirty = asyncio.Event()
         # The pool as the current snapshot has it (computed once per change), and as last published.
         self._wanted: PoolContent | None = None
@@ -114,7 +115,10 @@ class SlicePublisher:
 
     async def wait_registered(self) -> None:
         if self._registered is not None and not self._registered.is_set():
-            log.info("waiting for the kubelet to register the driver before publishing ResourceSlices")
+            # Two duties wait here (the reconcile loop and the watch): the log says it once.
+            if not self._said_waiting:
+                self._said_waiting = True
+                log.info("waiting for the kubelet to register the driver before publishing ResourceSlices")
             await self._registered.wait()
 
     async def follow_inventory(self) -> None:
