@@ -110,7 +110,7 @@ async def test_a_restart_learns_the_units_from_its_own_record_not_the_tenants_fi
         restarted = Enforcer(layer, socket, grace=0)
         await restarted.start({"gpu-0::0", "gpu-0::1"})
         await restarted.check()
-        holders = [labels[:2] for labels, _ in restarted.slice_uses()]
+        holders = [row.labels[:2] for row in restarted.slice_uses()]
         assert sorted(holders) == [["default", "forger"], ["default", "victim"]], "one series per pod"
 
 async def test_a_directory_of_an_earlier_version_waits_for_the_kubelet_to_name_its_holder(tmp_path: Path) -> None:
@@ -132,8 +132,8 @@ async def test_a_directory_of_an_earlier_version_waits_for_the_kubelet_to_name_i
                                 _held("old", ["gpu-0::1"])]
         await enforcer.check()
         assert set(layer.existing()) == {held}, "held by pod old; the other is held by nobody, and goes"
-        [(labels, _)] = enforcer.slice_uses()
-        assert labels[:2] == ["default", "old"] and labels[4] == "gpu-0::1,gpu-0::2"
+        [row] = enforcer.slice_uses()
+        assert (row.namespace, row.pod, row.unit) == ("default", "old", "gpu-0::1,gpu-0::2")
         kubelet.allocations = [a for a in kubelet.allocations if a.pod != "old"]
         await enforcer.check()
         assert layer.existing() == {}

@@ -17,8 +17,9 @@ from gpuppetti._proto.deviceplugin.v1beta1.api_pb2 import ContainerAllocateRespo
 from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
-from gpuppetti.node.metrics import Metrics
-from gpuppetti.node.vulkanlayer import ACCT_LOCK_BASE, ACCT_SLOT_BYTES_OFFSET, ACCT_WAITED_OFFSET, LayerDir
+from gpuppetti.node.metrics import Metrics, SliceRow
+from gpuppetti.node.report import slice_records
+from gpuppetti.node.vulkanlayer import ACCT_LOCK_BASE, ACCT_SLOT_BYTES_OFFSET, ACCT_WAITED_OFFSET, LayerDir, SliceUse
 from gpuppetti.sharing.budgets import Budget
 from tests.helpers import short_tmpdir
 
@@ -103,3 +104,25 @@ async def test_a_hostile_accounting_file_never_blocks_or_breaks_a_scrape(tmp_pat
     used = [line for line in lines if line.startswith("gpuppetti_slice_memory_used_bytes{")]
     assert used == ['gpuppetti_slice_memory_used_bytes{container="",gpu="gpu-0",namespace="",pod="",'
                     'unit="gpu-0::3"} 0.0'], "only the file that is one is read, and no number is below 0"
+
+
+class _Rows:
+    def __init__(self, rows: list[SliceRow]) -> None:
+        self.rows = rows
+
+    def slice_uses(self) -> list[SliceRow]:
+        return self.rows
+
+
+def test_one_row_is_one_sample_per_figure_and_one_slices_record() -> None:
+    row = SliceRow(namespace="ml", pod="trainer", container="main", gpu="gpu-1", unit="gpu-1::2",
+                   use=SliceUse(0, 512 * MIB, 100 * MIB, 1.25))
+    metrics = Metrics()
+    metrics.watch_slices(_Rows([row]))
+    labels = 'container="main",gpu="gpu-1",namespace="ml",pod="trainer",unit="gpu-1::2"'
+    assert {f"gpuppetti_slice_memory_used_bytes{{{labels}}} 1.048576e+08",
+            f"gpuppetti_slice_memory_budget_bytes{{{labels}}} 5.36870912e+08",
+            f"gpuppetti_slice_compute_wait_seconds_total{{{labels}}} 1.25"} <= scrape(metrics)
+    assert slice_records(_Rows([row])) == [{"namespace": "ml", "pod": "trainer", "container": "main", "gpu": "gpu-1",
+                                            "unit": "gpu-1::2", "budget_bytes": 512 * MIB, "used_bytes": 100 * MIB,
+                                            "compute_wait_seconds": 1.25}]

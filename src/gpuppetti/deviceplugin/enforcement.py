@@ -29,7 +29,8 @@ import grpc
 from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
 from gpuppetti.core.model import ContainerEdits
-from gpuppetti.node.vulkanlayer import MAX_SLICES_READ, LayerDir, SliceUse
+from gpuppetti.node.metrics import SliceRow
+from gpuppetti.node.vulkanlayer import MAX_SLICES_READ, LayerDir
 from gpuppetti.sharing.budgets import Budget
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class Enforcer:
             for budget in budgets]
         return self.layer.edits(allocation, budgets)
 
-    def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
+    def slice_uses(self) -> list[SliceRow]:
         """Each held slice, as its accounting file says, labelled with who holds it (metrics.SliceUses). Blocks:
         it reads the files (in a thread, at scrape time)."""
         found = []
@@ -122,7 +123,7 @@ class Enforcer:
             where = self._slices.get(allocation, [])
             for use in self.layer.usage(allocation, len(where) or MAX_SLICES_READ):
                 gpu, unit = where[use.index] if use.index < len(where) else ("", ",".join(sorted(units)))
-                found.append(([*holder, gpu, unit], use))
+                found.append(SliceRow(*holder, gpu, unit, use))
         return found
 
     def _replace(self, allocation: str, memories: list[int], units: list[str], freed: list[str]) -> list[str]:

@@ -29,7 +29,8 @@ from gpuppetti.dra import opaque
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, PreparedDevice
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.kube import ApiError, NotFound
-from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
+from gpuppetti.node.metrics import SliceRow
+from gpuppetti.node.vulkanlayer import LayerDir
 from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.limits import with_limits
@@ -476,7 +477,7 @@ class DraState:
         except PrepareError as exc:
             return exc
 
-    def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
+    def slice_uses(self) -> list[SliceRow]:
         """Each held slice of a prepared claim, as its accounting file says, labelled with the claim's namespace, the
         pods it is reserved for, its GPU and device (metrics.SliceUses). Blocks: it reads the files."""
         if self.layer is None:
@@ -493,7 +494,7 @@ class DraState:
                 for use in self.layer.usage(allocation, len(memories)):
                     name = names[use.index] if use.index < len(names) else ""
                     gpu = devices[name].gpu_id if name in devices else ""
-                    found.append(([record.namespace, self._pods.get(uid, ""), "", gpu, name], use))
+                    found.append(SliceRow(record.namespace, self._pods.get(uid, ""), "", gpu, name, use))
         return found
 
     # -- unprepare --------------------------------------------------------------------------------------------
