@@ -21,7 +21,7 @@ from gpuppetti.node.metrics import Metrics, SliceRow
 from gpuppetti.node.report import slice_records
 from gpuppetti.node.vulkanlayer import ACCT_LOCK_BASE, ACCT_SLOT_BYTES_OFFSET, ACCT_WAITED_OFFSET, LayerDir, SliceUse
 from gpuppetti.sharing.budgets import Budget
-from tests.helpers import short_tmpdir
+from tests.helpers import replicas, short_tmpdir
 
 MIB = 2**20
 GPU0 = Gpu(id="gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
@@ -61,7 +61,8 @@ async def test_each_slice_is_reported_with_who_holds_it(tmp_path: Path) -> None:
         layer.install()
         enforcer = Enforcer(layer, socket, grace=0)
         await enforcer.start(set())
-        await enforcer.allocate(["gpu-0::1", "gpu-1::0"], [Budget(GPU0, 512 * MIB, 250), Budget(GPU1, 256 * MIB)])
+        await enforcer.allocate([*replicas("gpu-0", 1), *replicas("gpu-1", 0)],
+                                [Budget(GPU0, 512 * MIB, 250), Budget(GPU1, 256 * MIB)])
         allocation = allocation_id(["gpu-0::1", "gpu-1::0"])
         held(layer, allocation, 0, 100 * MIB, 1_500_000_000)
         held(layer, allocation, 1, 7 * MIB)
@@ -84,8 +85,8 @@ async def test_a_hostile_accounting_file_never_blocks_or_breaks_a_scrape(tmp_pat
     layer = LayerDir(tmp_path / "vulkan")
     layer.install()
     enforcer = Enforcer(layer, tmp_path / "no-pod-resources.sock")
-    for unit in ("gpu-0::0", "gpu-0::1", "gpu-0::2", "gpu-0::3"):
-        await enforcer.allocate([unit], [Budget(GPU0, 512 * MIB)])
+    for number in range(4):
+        await enforcer.allocate(replicas("gpu-0", number), [Budget(GPU0, 512 * MIB)])
     fifo, link, short, negative = (layer.allocations / allocation_id([f"gpu-0::{n}"]) / "slice-0.acct"
                                    for n in range(4))
     for path in (fifo, link, short):
@@ -104,6 +105,19 @@ async def test_a_hostile_accounting_file_never_blocks_or_breaks_a_scrape(tmp_pat
     used = [line for line in lines if line.startswith("gpuppetti_slice_memory_used_bytes{")]
     assert used == ['gpuppetti_slice_memory_used_bytes{container="",gpu="gpu-0",namespace="",pod="",'
                     'unit="gpu-0::3"} 0.0'], "only the file that is one is read, and no number is below 0"
+
+
+async def test_a_slice_is_labelled_with_its_units_of_its_gpu_as_the_plan_says(tmp_path: Path) -> None:
+    # A unit's GPU is what the plan says, never read back out of its id: this GPU's id has "::" in it.
+    odd = Gpu(id="rack-1::gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
+              memory_bytes=2048 * MIB, simulated=True)
+    layer = LayerDir(tmp_path / "vulkan")
+    layer.install()
+    enforcer = Enforcer(layer, tmp_path / "no-pod-resources.sock")
+    await enforcer.allocate([*replicas(odd.id, 2), *replicas("gpu-1", 0)],
+                            [Budget(odd, 512 * MIB), Budget(GPU1, 256 * MIB)])
+    assert [(row.gpu, row.unit) for row in enforcer.slice_uses()] == [(odd.id, "rack-1::gpu-0::2"),
+                                                                      ("gpu-1", "gpu-1::0")]
 
 
 class _Rows:

@@ -273,7 +273,7 @@ class DevicePluginService:
         budgets = unit_budgets(units, snapshot.gpus, enforce)
         if not budgets:
             return None
-        edits = await enforcer.allocate([unit.id for unit in units], budgets) if enforcer is not None else None
+        edits = await enforcer.allocate(units, budgets) if enforcer is not None else None
         return with_limits(edits, budgets, enforcer.layer.path if enforcer is not None else None, hooks=False)
 
     async def PreStartContainer(
