@@ -42,6 +42,7 @@ from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.node.vulkanlayer import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir
 from gpuppetti.sharing.budgets import Budget
+from gpuppetti.sharing.replicas import Unit, replica_unit_id
 from tests.standins.apiserver import ApiStandIn
 from tests.standins.dra_kubelet import ClaimKey, DraKubelet
 
@@ -318,7 +319,8 @@ async def bench_slice_metrics(workdir: Path, figures: list[Figure]) -> None:
     enforcer = Enforcer(layer, workdir / "no-pod-resources.sock")
     gpu = SimulatedBackend(parse_config(plugin_config(10), "bench").simulated).discover()[0]
     for n in range(SCRAPE_ALLOCATIONS):
-        await enforcer.allocate([f"{gpu.id}::{n}"], [Budget(gpu, 2**28)])
+        await enforcer.allocate([Unit(replica_unit_id(gpu.id, n), gpu.id, "apple.com/gpu", SCRAPE_ALLOCATIONS, n)],
+                                [Budget(gpu, 2**28)])
     metrics = Metrics()
     metrics.watch_slices(enforcer)
     samples = []

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from gpuppetti.core.config import Config, parse_config
+from gpuppetti.sharing.replicas import Unit, replica_unit_id
 
 TWO_M3_MAX = """\
 version: v1
@@ -81,6 +82,11 @@ def run_here(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 def config_from(text: str, source: str = "test.yaml") -> Config:
     return parse_config(textwrap.dedent(text), source)
+
+
+def replicas(gpu_id: str, *numbers: int, resource: str = "apple.com/gpu", of: int = 4) -> list[Unit]:
+    """Replicas ``numbers`` of a GPU shared ``of`` ways, as the device plugin's plan holds them."""
+    return [Unit(replica_unit_id(gpu_id, n), gpu_id, resource, of, n) for n in numbers]
 
 
 def short_tmpdir(prefix: str = "gp-") -> Path:

@@ -33,7 +33,7 @@ from gpuppetti.node.vulkanlayer import (
 from gpuppetti.sharing.budgets import Budget
 from tests.dra_support import DRIVER, Cluster
 from tests.e2e.test_vulkan_layer import SIMULATED, vkinfo, why_not_here
-from tests.helpers import Daemon, short_tmpdir
+from tests.helpers import Daemon, replicas, short_tmpdir
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not (BUILT / LIBRARY).exists(),
@@ -149,8 +149,8 @@ async def test_directories_of_units_the_kubelet_freed_go(tmp_path: Path) -> None
         enforcer = Enforcer(layer, socket, grace=0)
         await enforcer.start(set())
         budgets = [Budget(SIMULATED, 512 * MIB)]
-        await enforcer.allocate(["gpu-0::0"], budgets)
-        await enforcer.allocate(["gpu-0::1"], budgets)
+        await enforcer.allocate(replicas("gpu-0", 0), budgets)
+        await enforcer.allocate(replicas("gpu-0", 1), budgets)
         kubelet.allocations.append(ContainerAllocation("still", "c", "apple.com/gpu", ["gpu-0::1"], None, None))  # type: ignore[arg-type]
         await enforcer.check()
         assert set(layer.existing()) == {allocation_id(["gpu-0::1"])}, "gpu-0::0 is assigned to no container"

@@ -20,7 +20,7 @@ from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
 from gpuppetti.node.vulkanlayer import ACCT_FILE_SIZE, TMPFS_MARGIN, TMPFS_SPARE_FILES, LayerDir, install_layer
 from gpuppetti.sharing.budgets import Budget
 from tests.e2e.test_vulkan_layer import SIMULATED
-from tests.helpers import short_tmpdir
+from tests.helpers import replicas, short_tmpdir
 from tests.unit.test_tenant_files import _deep, _unremovable
 
 pytestmark = pytest.mark.e2e
@@ -53,14 +53,14 @@ async def test_a_deep_tree_or_a_stuck_file_never_takes_the_plugin_down(tmp_path:
         await enforcer.start(set())
         deep = allocation_id(["gpu-0::0"])
         stuck = allocation_id(["gpu-0::1"])
-        await enforcer.allocate(["gpu-0::0"], BUDGETS)
-        await enforcer.allocate(["gpu-0::1"], BUDGETS)
+        await enforcer.allocate(replicas("gpu-0", 0), BUDGETS)
+        await enforcer.allocate(replicas("gpu-0", 1), BUDGETS)
         # The tenant of gpu-0::0 nests 3,000 directories; the one of gpu-0::1 leaves a file that cannot go.
         _deep(layer.allocations / deep / "d", 3000)
         (layer.allocations / stuck / "stuck").write_text("x")
         with _unremovable(layer.allocations / stuck / "stuck"):
             # An Allocate of gpu-0::0 with another unit frees the deep one: it goes, and the Allocate is answered.
-            edits = await enforcer.allocate(["gpu-0::0", "gpu-0::2"], BUDGETS)
+            edits = await enforcer.allocate(replicas("gpu-0", 0, 2), BUDGETS)
             assert edits.mounts
             assert deep not in layer.existing()
             kubelet.allocations.append(_held("other", ["gpu-0::0", "gpu-0::2"]))
@@ -86,7 +86,7 @@ async def test_a_restart_clears_what_it_can_and_serves_on(tmp_path: Path) -> Non
             enforcer = Enforcer(layer, socket, grace=0)
             await enforcer.start({"gpu-0::0"})
             assert set(layer.existing()) == {stuck}
-            await enforcer.allocate(["gpu-0::0"], BUDGETS)
+            await enforcer.allocate(replicas("gpu-0", 0), BUDGETS)
             await enforcer.check()
             assert stuck in layer.existing()
         await enforcer.check()
@@ -100,9 +100,9 @@ async def test_a_restart_learns_the_units_from_its_own_record_not_the_tenants_fi
         layer = _layer(tmp_path)
         enforcer = Enforcer(layer, socket, grace=0)
         await enforcer.start(set())
-        await enforcer.allocate(["gpu-0::0"], BUDGETS)
+        await enforcer.allocate(replicas("gpu-0", 0), BUDGETS)
         forger = allocation_id(["gpu-0::1"])
-        await enforcer.allocate(["gpu-0::1"], BUDGETS)
+        await enforcer.allocate(replicas("gpu-0", 1), BUDGETS)
         kubelet.allocations += [_held("victim", ["gpu-0::0"]), _held("forger", ["gpu-0::1"])]
         # The forger names the victim's unit where earlier versions kept an allocation's units.
         (layer.allocations / forger / "units").write_text("gpu-0::0\n")
@@ -110,7 +110,7 @@ async def test_a_restart_learns_the_units_from_its_own_record_not_the_tenants_fi
         restarted = Enforcer(layer, socket, grace=0)
         await restarted.start({"gpu-0::0", "gpu-0::1"})
         await restarted.check()
-        holders = [labels[:2] for labels, _ in restarted.slice_uses()]
+        holders = [row.labels[:2] for row in restarted.slice_uses()]
         assert sorted(holders) == [["default", "forger"], ["default", "victim"]], "one series per pod"
 
 async def test_a_directory_of_an_earlier_version_waits_for_the_kubelet_to_name_its_holder(tmp_path: Path) -> None:
@@ -132,8 +132,8 @@ async def test_a_directory_of_an_earlier_version_waits_for_the_kubelet_to_name_i
                                 _held("old", ["gpu-0::1"])]
         await enforcer.check()
         assert set(layer.existing()) == {held}, "held by pod old; the other is held by nobody, and goes"
-        [(labels, _)] = enforcer.slice_uses()
-        assert labels[:2] == ["default", "old"] and labels[4] == "gpu-0::1,gpu-0::2"
+        [row] = enforcer.slice_uses()
+        assert (row.namespace, row.pod, row.unit) == ("default", "old", "gpu-0::1,gpu-0::2")
         kubelet.allocations = [a for a in kubelet.allocations if a.pod != "old"]
         await enforcer.check()
         assert layer.existing() == {}

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
-from gpuppetti.core.model import DeviceNode, Health
+from gpuppetti.core.model import ContainerEdits, DeviceNode, Health, Mount
 from gpuppetti.deviceplugin.server import RequestError, edits_to_response, resolve_request
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.node.inventory import Inventory, Snapshot
@@ -41,6 +41,21 @@ def test_device_nodes_render_into_the_allocate_response() -> None:
     assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
         ("/dev/dri/renderD128", "/dev/dri/renderD128", "rw")
     ]
+
+
+def test_the_env_and_the_mounts_go_in_whatever_the_strategy() -> None:
+    # The device plugin merges the Vulkan layer's edits into its own, as the DRA driver does.
+    inventory = _inventory()
+    edits = container_edits([inventory.plan["apple.com/gpu"].units[0]], inventory.gpus)
+    edits.add_device_node(DeviceNode("/dev/dri/renderD128"))
+    edits.merge(ContainerEdits(env={"GPUPPETTI_LIMITS": "vulkan"},
+                               mounts=[Mount("/run/gpuppetti/vulkan", "/var/lib/gpuppetti/vulkan/a", False)]))
+    for strategies in (("envvar",), ("cdi-cri",), ("cdi-annotations",)):
+        response = edits_to_response(edits, strategies, ["gpu.gpuppetti.dev/gpu=sim-apple-0"], "cdi.k8s.io/x")
+        assert response.envs["GPUPPETTI_LIMITS"] == "vulkan"
+        assert [(m.container_path, m.host_path, m.read_only) for m in response.mounts] == [
+            ("/run/gpuppetti/vulkan", "/var/lib/gpuppetti/vulkan/a", False)], strategies
+        assert len(response.devices) == (1 if strategies == ("envvar",) else 0), "the CDI spec carries the nodes"
 
 
 def test_resolve_request_names_every_offending_id() -> None:

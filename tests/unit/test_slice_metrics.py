@@ -16,10 +16,11 @@ from gpuppetti._proto.deviceplugin.v1beta1.api_pb2 import ContainerAllocateRespo
 from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
-from gpuppetti.node.metrics import Metrics
-from gpuppetti.node.vulkanlayer import LayerDir
+from gpuppetti.node.metrics import Metrics, SliceRow
+from gpuppetti.node.report import slice_records
+from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
 from gpuppetti.sharing.budgets import Budget
-from tests.helpers import hold_slice, short_tmpdir
+from tests.helpers import hold_slice, replicas, short_tmpdir
 
 MIB = 2**20
 GPU0 = Gpu(id="gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
@@ -48,7 +49,8 @@ async def test_each_slice_is_reported_with_who_holds_it(tmp_path: Path) -> None:
         layer.install()
         enforcer = Enforcer(layer, socket, grace=0)
         await enforcer.start(set())
-        await enforcer.allocate(["gpu-0::1", "gpu-1::0"], [Budget(GPU0, 512 * MIB, 250), Budget(GPU1, 256 * MIB)])
+        await enforcer.allocate([*replicas("gpu-0", 1), *replicas("gpu-1", 0)],
+                                [Budget(GPU0, 512 * MIB, 250), Budget(GPU1, 256 * MIB)])
         allocation = allocation_id(["gpu-0::1", "gpu-1::0"])
         held(layer, allocation, 0, 100 * MIB, 1_500_000_000)
         held(layer, allocation, 1, 7 * MIB)
@@ -71,8 +73,8 @@ async def test_a_hostile_accounting_file_never_blocks_or_breaks_a_scrape(tmp_pat
     layer = LayerDir(tmp_path / "vulkan")
     layer.install()
     enforcer = Enforcer(layer, tmp_path / "no-pod-resources.sock")
-    for unit in ("gpu-0::0", "gpu-0::1", "gpu-0::2", "gpu-0::3"):
-        await enforcer.allocate([unit], [Budget(GPU0, 512 * MIB)])
+    for number in range(4):
+        await enforcer.allocate(replicas("gpu-0", number), [Budget(GPU0, 512 * MIB)])
     fifo, link, short, negative = (layer.allocations / allocation_id([f"gpu-0::{n}"]) / "slice-0.acct"
                                    for n in range(4))
     for path in (fifo, link, short):
@@ -91,3 +93,38 @@ async def test_a_hostile_accounting_file_never_blocks_or_breaks_a_scrape(tmp_pat
     used = [line for line in lines if line.startswith("gpuppetti_slice_memory_used_bytes{")]
     assert used == ['gpuppetti_slice_memory_used_bytes{container="",gpu="gpu-0",namespace="",pod="",'
                     'unit="gpu-0::3"} 0.0'], "only the file that is one is read, and no number is below 0"
+
+
+async def test_a_slice_is_labelled_with_its_units_of_its_gpu_as_the_plan_says(tmp_path: Path) -> None:
+    # A unit's GPU is what the plan says, never read back out of its id: this GPU's id has "::" in it.
+    odd = Gpu(id="rack-1::gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
+              memory_bytes=2048 * MIB, simulated=True)
+    layer = LayerDir(tmp_path / "vulkan")
+    layer.install()
+    enforcer = Enforcer(layer, tmp_path / "no-pod-resources.sock")
+    await enforcer.allocate([*replicas(odd.id, 2), *replicas("gpu-1", 0)],
+                            [Budget(odd, 512 * MIB), Budget(GPU1, 256 * MIB)])
+    assert [(row.gpu, row.unit) for row in enforcer.slice_uses()] == [(odd.id, "rack-1::gpu-0::2"),
+                                                                      ("gpu-1", "gpu-1::0")]
+
+
+class _Rows:
+    def __init__(self, rows: list[SliceRow]) -> None:
+        self.rows = rows
+
+    def slice_uses(self) -> list[SliceRow]:
+        return self.rows
+
+
+def test_one_row_is_one_sample_per_figure_and_one_slices_record() -> None:
+    row = SliceRow(namespace="ml", pod="trainer", container="main", gpu="gpu-1", unit="gpu-1::2",
+                   use=SliceUse(0, 512 * MIB, 100 * MIB, 1.25))
+    metrics = Metrics()
+    metrics.watch_slices(_Rows([row]))
+    labels = 'container="main",gpu="gpu-1",namespace="ml",pod="trainer",unit="gpu-1::2"'
+    assert {f"gpuppetti_slice_memory_used_bytes{{{labels}}} 1.048576e+08",
+            f"gpuppetti_slice_memory_budget_bytes{{{labels}}} 5.36870912e+08",
+            f"gpuppetti_slice_compute_wait_seconds_total{{{labels}}} 1.25"} <= scrape(metrics)
+    assert slice_records(_Rows([row])) == [{"namespace": "ml", "pod": "trainer", "container": "main", "gpu": "gpu-1",
+                                            "unit": "gpu-1::2", "budget_bytes": 512 * MIB, "used_bytes": 100 * MIB,
+                                            "compute_wait_seconds": 1.25}]

@@ -29,8 +29,10 @@ import grpc
 from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
 from gpuppetti.core.model import ContainerEdits
-from gpuppetti.node.vulkanlayer import MAX_SLICES_READ, LayerDir, SliceUse
+from gpuppetti.node.metrics import SliceRow
+from gpuppetti.node.vulkanlayer import MAX_SLICES_READ, LayerDir
 from gpuppetti.sharing.budgets import Budget
+from gpuppetti.sharing.replicas import Unit
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +94,10 @@ class Enforcer:
             elif not await asyncio.to_thread(self.layer.remove, allocation):
                 self._leftover.add(allocation)
 
-    async def allocate(self, unit_ids: Sequence[str], budgets: Sequence[Budget]) -> ContainerEdits:
+    async def allocate(self, given: Sequence[Unit], budgets: Sequence[Budget]) -> ContainerEdits:
         """The allocation's directory, made anew, and the edits that put its container under the layer."""
-        allocation = allocation_id(unit_ids)
-        units = frozenset(unit_ids)
+        allocation = allocation_id([unit.id for unit in given])
+        units = frozenset(unit.id for unit in given)
         freed = [other for other, (theirs, _) in self._allocations.items() if other != allocation and theirs & units]
         memories = [budget.memory for budget in budgets]
         left = await asyncio.to_thread(self._replace, allocation, memories, sorted(units), freed)
@@ -108,11 +110,11 @@ class Enforcer:
         self._allocations[allocation] = (units, time.monotonic())
         self._allocated.set()
         self._slices[allocation] = [
-            (budget.gpu.id, ",".join(sorted(unit for unit in units if unit.partition("::")[0] == budget.gpu.id)))
+            (budget.gpu.id, ",".join(sorted(unit.id for unit in given if unit.gpu_id == budget.gpu.id)))
             for budget in budgets]
         return self.layer.edits(allocation, budgets)
 
-    def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
+    def slice_uses(self) -> list[SliceRow]:
         """Each held slice, as its accounting file says, labelled with who holds it (metrics.SliceUses). Blocks:
         it reads the files (in a thread, at scrape time)."""
         found = []
@@ -122,7 +124,7 @@ class Enforcer:
             where = self._slices.get(allocation, [])
             for use in self.layer.usage(allocation, len(where) or MAX_SLICES_READ):
                 gpu, unit = where[use.index] if use.index < len(where) else ("", ",".join(sorted(units)))
-                found.append(([*holder, gpu, unit], use))
+                found.append(SliceRow(*holder, gpu, unit, use))
         return found
 
     def _replace(self, allocation: str, memories: list[int], units: list[str], freed: list[str]) -> list[str]:

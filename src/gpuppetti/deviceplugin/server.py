@@ -58,16 +58,15 @@ def edits_to_response(
     edits: ContainerEdits, strategies: Sequence[str] = ("envvar",), cdi_names: Sequence[str] = (),
     annotation: str = "",
 ) -> pb.ContainerAllocateResponse:
-    """Render edits the ways ``strategies`` ask: device specs and mounts (envvar), CDI names (cdi-cri), or
-    CDI annotations. The env always goes in: it depends on the allocation, and no CDI spec can carry it."""
+    """Render edits the ways ``strategies`` ask: device specs (envvar), CDI names (cdi-cri), or CDI annotations.
+    The env and the mounts always go in: they depend on the allocation (the Vulkan layer's mounts name its own
+    directory), and the plugin's CDI spec carries only each GPU's device nodes."""
     response = pb.ContainerAllocateResponse(envs=edits.env)
+    for mount in edits.mounts:
+        response.mounts.add(container_path=mount.container_path, host_path=mount.host_path, read_only=mount.read_only)
     if "envvar" in strategies:
         for node in edits.device_nodes:
             response.devices.add(container_path=node.path, host_path=node.source, permissions=node.permissions)
-        for mount in edits.mounts:
-            response.mounts.add(
-                container_path=mount.container_path, host_path=mount.host_path, read_only=mount.read_only
-            )
     if "cdi-cri" in strategies:
         for name in cdi_names:
             response.cdi_devices.add(name=name)
@@ -256,14 +255,8 @@ class DevicePluginService:
             edits = container_edits(units, snapshot.gpus)
             layer = await self._layer_edits(snapshot, units)
             if layer is not None:
-                edits.env.update(layer.env)
-            answer = edits_to_response(edits, strategies, names, annotation)
-            # The layer's mounts are the allocation's own: no CDI spec can carry them, so they go in whatever the
-            # strategy.
-            for mount in layer.mounts if layer is not None else ():
-                answer.mounts.add(container_path=mount.container_path, host_path=mount.host_path,
-                                  read_only=mount.read_only)
-            response.container_responses.append(answer)
+                edits.merge(layer)
+            response.container_responses.append(edits_to_response(edits, strategies, names, annotation))
             self._units.inc(len(units))
             # Debug, not info: a line per Allocate costs more than the Allocate itself.
             if log.isEnabledFor(logging.DEBUG):
@@ -280,7 +273,7 @@ class DevicePluginService:
         budgets = unit_budgets(units, snapshot.gpus, enforce)
         if not budgets:
             return None
-        edits = await enforcer.allocate([unit.id for unit in units], budgets) if enforcer is not None else None
+        edits = await enforcer.allocate(units, budgets) if enforcer is not None else None
         return with_limits(edits, budgets, enforcer.layer.path if enforcer is not None else None, hooks=False)
 
     async def PreStartContainer(

@@ -193,96 +193,144 @@ class DrmBackend:
         return found
 
     def _card(self, entry: Path, database: Path | None) -> Gpu | None:
-        device = entry / "device"
-        if not device.exists():
+        """The card's GPU: what sysfs says of any card, with its vendor's own facts."""
+        card = _sysfs_card(entry)
+        if card is None:
             return None
-        uevent = _uevent(device)
-        driver = uevent.get("DRIVER")
-        if driver is None and (device / "driver").exists():
-            driver = Path(os.path.realpath(device / "driver")).name
-        renders = sorted(p.name for p in (device / "drm").glob("renderD*")) if (device / "drm").is_dir() else []
-        if not renders:
-            # simpledrm, display-only controllers and connectors' parents: nothing a workload can compute on.
-            log.debug("%s (driver %s) has no render node; skipping", entry.name, driver)
-            return None
-        vendor_hex, device_hex = _hex_id(device / "vendor"), _hex_id(device / "device")
-        # virtio-gpu on virtio-MMIO (krunkit, libkrun) has vendor 0: only the driver name tells what it is.
-        if driver == "virtio_gpu":
-            kind = Vendor.VIRTIO
-        else:
-            kind = PCI_VENDORS.get(vendor_hex or "") or DRIVER_VENDORS.get(driver or "") or Vendor.OTHER
-        pci = _pci_address(device, uevent)
-        numa = numa_node_of(self.host_root, pci, device)
+        vendor_facts = {Vendor.AMD: _amd_facts, Vendor.NVIDIA: self._nvidia_facts,
+                        Vendor.VIRTIO: self._virtio_facts}.get(card.kind, _common_facts)
+        return self._gpu(card, vendor_facts(card), database)
 
-        nodes = [self._dev(f"/dev/dri/{renders[0]}")]
-        if kind is not Vendor.VIRTIO:
-            nodes.append(self._dev(f"/dev/dri/{entry.name}"))
-        model: str | None = None
-        memory = cores = None
-        uuid = None
-        utilization = used = None
-        facts: str | None = None
-        vendor = kind
-        pci_ids = (vendor_hex, device_hex) if vendor_hex and device_hex else None
-        base_id = f"{kind.value}-{pci.replace(':', '-')}" if pci else f"{kind.value}-{entry.name}"
+    def _nvidia_facts(self, card: _SysfsCard) -> _Facts:
+        """The UUID, model and device nodes the driver's /proc gives; the DRM nodes where it gives no minor."""
+        common = _common_facts(card)
+        proc = _nvidia_proc(self.host_root, card.pci)
+        if (proc is None or proc.minor is None) and card.pci not in self._warned:
+            self._warned.add(card.pci)
+            log.warning("NVIDIA GPU %s: no %s under %s, so no /dev/nvidiaN for it: CUDA containers need the "
+                        "host's /proc (mount the host's root, as the DaemonSet does) or the nvml backend",
+                        card.pci, "proc/driver/nvidia/gpus/<bus id>/information", self.host_root)
+        if proc is None:
+            return common
+        nodes = common.nodes if proc.minor is None else (
+            f"/dev/nvidia{proc.minor}", "/dev/nvidiactl", "/dev/nvidia-uvm")
+        return dataclasses.replace(common, nodes=nodes, uuid=proc.uuid, model=proc.model, id=proc.uuid or common.id)
 
-        if kind is Vendor.AMD:
-            nodes.append(self._dev("/dev/kfd"))
-            model = _read(device / "product_name") or None
-            memory = _read_int(device / "mem_info_vram_total")
-            used = _read_int(device / "mem_info_vram_used")
-            utilization = _read_int(device / "gpu_busy_percent")
-            uuid = _read(device / "unique_id") or None
-        elif kind is Vendor.NVIDIA:
-            proc = _nvidia_proc(self.host_root, pci)
-            if (proc is None or proc.minor is None) and pci not in self._warned:
-                self._warned.add(pci)
-                log.warning("NVIDIA GPU %s: no %s under %s, so no /dev/nvidiaN for it: CUDA containers need the "
-                            "host's /proc (mount the host's root, as the DaemonSet does) or the nvml backend",
-                            pci, "proc/driver/nvidia/gpus/<bus id>/information", self.host_root)
-            if proc is not None:
-                uuid, model = proc.uuid, proc.model
-                if proc.minor is not None:
-                    nodes = [self._dev(f"/dev/nvidia{proc.minor}"), self._dev("/dev/nvidiactl"),
-                             self._dev("/dev/nvidia-uvm")]
-                if uuid:
-                    base_id = uuid
-        elif kind is Vendor.VIRTIO:
-            virtio = self._virtio
-            vendor = Vendor(virtio.vendor)
-            model = virtio.model or ("Apple GPU (virtio-gpu Venus)" if vendor is Vendor.APPLE else "Virtio-GPU")
-            memory, cores = virtio.memory, virtio.cores
-            # The config's word; the merge step lays the host agent's facts over it where there are any.
-            facts = "config"
-            # Under Venus, Vulkan reports the host GPU's ids, not virtio's: only the config knows them.
-            pci_ids = None
-            if virtio.vulkan_device:
-                vid, did = virtio.vulkan_device.lower().split(":")
-                pci_ids = (vid.zfill(4), did.zfill(4))
+    def _virtio_facts(self, card: _SysfsCard) -> _Facts:
+        """The config's word on the GPU behind virtio-gpu; the merge step lays the host agent's facts over it where
+        there are any. Only its render node: the card node is the VM's display."""
+        virtio = self._virtio
+        vendor = Vendor(virtio.vendor)
+        # Under Venus, Vulkan reports the host GPU's ids, not virtio's: only the config knows them.
+        pci_ids = None
+        if virtio.vulkan_device:
+            vid, did = virtio.vulkan_device.lower().split(":")
+            pci_ids = (vid.zfill(4), did.zfill(4))
+        return _Facts(
+            nodes=(f"/dev/dri/{card.render}",), vendor=vendor, id=card.base_id, pci_ids=pci_ids,
+            model=virtio.model or ("Apple GPU (virtio-gpu Venus)" if vendor is Vendor.APPLE else "Virtio-GPU"),
+            memory=virtio.memory, cores=virtio.cores, facts="config")
 
-        if model is None and vendor_hex and device_hex:
-            model = model_name(database, vendor_hex, device_hex)
+    def _gpu(self, card: _SysfsCard, facts: _Facts, database: Path | None) -> Gpu:
+        model = facts.model
+        if model is None and card.vendor_hex and card.device_hex:
+            model = model_name(database, card.vendor_hex, card.device_hex)
         if model is None:
-            label = f" {vendor_hex}:{device_hex}" if vendor_hex and device_hex else ""
-            model = f"{kind.value} GPU{label}"
+            label = f" {card.vendor_hex}:{card.device_hex}" if card.vendor_hex and card.device_hex else ""
+            model = f"{card.kind.value} GPU{label}"
+        nodes = [self._dev(path) for path in facts.nodes]
         return Gpu(
-            id=base_id,
+            id=facts.id,
             index=0,
-            vendor=vendor,
+            vendor=facts.vendor,
             model=model,
             backend=self.name,
-            cores=cores,
-            memory_bytes=memory,
+            cores=facts.cores,
+            memory_bytes=facts.memory,
             device_nodes=tuple(node for node in nodes if node is not None),
-            numa_node=numa,
-            pci_address=pci,
-            uuid=uuid,
-            driver=driver,
-            pci_ids=pci_ids,
-            utilization_percent=utilization,
-            memory_used_bytes=used,
-            facts=facts,
+            numa_node=numa_node_of(self.host_root, card.pci, card.device),
+            pci_address=card.pci,
+            uuid=facts.uuid,
+            driver=card.driver,
+            pci_ids=facts.pci_ids,
+            utilization_percent=facts.utilization,
+            memory_used_bytes=facts.used,
+            facts=facts.facts,
         )
+
+
+@dataclass(frozen=True)
+class _SysfsCard:
+    """What sysfs says of a card with a render node, whatever its vendor."""
+
+    entry: Path
+    device: Path
+    driver: str | None
+    render: str
+    kind: Vendor
+    vendor_hex: str | None
+    device_hex: str | None
+    pci: str | None
+
+    @property
+    def base_id(self) -> str:
+        return f"{self.kind.value}-{self.pci.replace(':', '-')}" if self.pci else f"{self.kind.value}-{self.entry.name}"
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What a vendor's own files (or, for virtio-gpu, the config) say of a card: its device nodes as host paths."""
+
+    nodes: tuple[str, ...]
+    vendor: Vendor
+    id: str
+    pci_ids: tuple[str, str] | None
+    model: str | None = None
+    memory: int | None = None
+    cores: int | None = None
+    uuid: str | None = None
+    utilization: int | None = None
+    used: int | None = None
+    facts: str | None = None
+
+
+def _sysfs_card(entry: Path) -> _SysfsCard | None:
+    device = entry / "device"
+    if not device.exists():
+        return None
+    uevent = _uevent(device)
+    driver = uevent.get("DRIVER")
+    if driver is None and (device / "driver").exists():
+        driver = Path(os.path.realpath(device / "driver")).name
+    renders = sorted(p.name for p in (device / "drm").glob("renderD*")) if (device / "drm").is_dir() else []
+    if not renders:
+        # simpledrm, display-only controllers and connectors' parents: nothing a workload can compute on.
+        log.debug("%s (driver %s) has no render node; skipping", entry.name, driver)
+        return None
+    vendor_hex, device_hex = _hex_id(device / "vendor"), _hex_id(device / "device")
+    # virtio-gpu on virtio-MMIO (krunkit, libkrun) has vendor 0: only the driver name tells what it is.
+    if driver == "virtio_gpu":
+        kind = Vendor.VIRTIO
+    else:
+        kind = PCI_VENDORS.get(vendor_hex or "") or DRIVER_VENDORS.get(driver or "") or Vendor.OTHER
+    return _SysfsCard(entry, device, driver, renders[0], kind, vendor_hex, device_hex, _pci_address(device, uevent))
+
+
+def _common_facts(card: _SysfsCard) -> _Facts:
+    """Any vendor's: its render and card nodes, its PCI ids; the rest is left to the PCI ids database."""
+    pci_ids = (card.vendor_hex, card.device_hex) if card.vendor_hex and card.device_hex else None
+    return _Facts(nodes=(f"/dev/dri/{card.render}", f"/dev/dri/{card.entry.name}"), vendor=card.kind,
+                  id=card.base_id, pci_ids=pci_ids)
+
+
+def _amd_facts(card: _SysfsCard) -> _Facts:
+    """amdgpu's own files: the model, VRAM and its use, busy percent, unique id; and /dev/kfd for ROCm."""
+    common = _common_facts(card)
+    device = card.device
+    return dataclasses.replace(
+        common, nodes=(*common.nodes, "/dev/kfd"), model=_read(device / "product_name") or None,
+        memory=_read_int(device / "mem_info_vram_total"), used=_read_int(device / "mem_info_vram_used"),
+        utilization=_read_int(device / "gpu_busy_percent"), uuid=_read(device / "unique_id") or None)
 
 
 def _with_region(gpu: Gpu, region: str, size: int) -> Gpu:

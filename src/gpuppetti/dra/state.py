@@ -30,7 +30,8 @@ from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError, layer_allocatio
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.kube import ApiError, NotFound
-from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
+from gpuppetti.node.metrics import SliceRow
+from gpuppetti.node.vulkanlayer import LayerDir
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +434,7 @@ class DraState:
                     await self._trashed.wait()
             self._trashed.set()
 
-    def slice_uses(self) -> list[tuple[list[str], SliceUse]]:
+    def slice_uses(self) -> list[SliceRow]:
         """Each held slice of a prepared claim, as its accounting file says, labelled with the claim's namespace, the
         pods it is reserved for, its GPU and device (metrics.SliceUses). Blocks: it reads the files."""
         if self.layer is None:
@@ -450,7 +451,7 @@ class DraState:
                 for use in self.layer.usage(allocation, len(memories)):
                     name = names[use.index] if use.index < len(names) else ""
                     gpu = devices[name].gpu_id if name in devices else ""
-                    found.append(([record.namespace, self._pods.get(uid, ""), "", gpu, name], use))
+                    found.append(SliceRow(record.namespace, self._pods.get(uid, ""), "", gpu, name, use))
         return found
 
     # -- unprepare --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -26,16 +27,33 @@ class ClaimCounts(Protocol):
     def missing_specs(self) -> Mapping[str, str]: ...
 
 
-# Who holds a slice, and which: namespace, pod and container (empty where not known), the GPU, and the unit(s) or
-# device(s).
+# Who holds a slice, and which: SliceRow's labels, as /metrics and /v1/slices name them.
 SLICE_LABELS = ["namespace", "pod", "container", "gpu", "unit"]
+
+
+@dataclass(frozen=True)
+class SliceRow:
+    """One slice a container holds: who holds it (namespace, pod and container, empty where not known), its GPU and
+    the unit(s) or device(s) it is; and what the layer's accounting file says of it."""
+
+    namespace: str
+    pod: str
+    container: str
+    gpu: str
+    unit: str
+    use: SliceUse
+
+    @property
+    def labels(self) -> list[str]:
+        """The values of SLICE_LABELS, in their order."""
+        return [self.namespace, self.pod, self.container, self.gpu, self.unit]
 
 
 class SliceUses(Protocol):
     """Where the slices held by containers are, and who holds them (the device plugin's Enforcer, the DRA state).
     Called off the event loop, at scrape time: it reads the layer's accounting files."""
 
-    def slice_uses(self) -> list[tuple[list[str], SliceUse]]: ...
+    def slice_uses(self) -> list[SliceRow]: ...
 
 
 class _SliceCollector(Collector):
@@ -50,10 +68,11 @@ class _SliceCollector(Collector):
         waited = CounterMetricFamily("gpuppetti_slice_compute_wait_seconds", "How long a slice's submits waited for "
                                      "its share of the GPU's time", labels=SLICE_LABELS)
         source = self._source()
-        for labels, use in source.slice_uses() if source is not None else []:
-            used.add_metric(labels, use.used)
-            budget.add_metric(labels, use.budget)
-            waited.add_metric(labels, use.waited_seconds)
+        for row in source.slice_uses() if source is not None else []:
+            labels = row.labels
+            used.add_metric(labels, row.use.used)
+            budget.add_metric(labels, row.use.budget)
+            waited.add_metric(labels, row.use.waited_seconds)
         yield from (used, budget, waited)
 
 

@@ -67,8 +67,9 @@ def slice_records(source: SliceUses | None) -> list[dict[str, Any]]:
     """Each slice a container holds, as /v1/slices serves it (and `gpuppetti top` shows it). Blocks: it reads the
     layer's accounting files."""
     records = []
-    for labels, use in source.slice_uses() if source is not None else []:
-        record: dict[str, Any] = dict(zip(SLICE_LABELS, labels, strict=True))
+    for row in source.slice_uses() if source is not None else []:
+        use = row.use
+        record: dict[str, Any] = dict(zip(SLICE_LABELS, row.labels, strict=True))
         record.update(budget_bytes=use.budget, used_bytes=use.used, compute_wait_seconds=round(use.waited_seconds, 3))
         records.append(record)
     return records
