@@ -444,8 +444,13 @@ class DraState:
         for uid, record in list(self.checkpoint.claims.items()):
             if record.state != COMPLETED:
                 continue
-            for allocation, memories in record.layer_allocations.items():
-                request = allocation.removeprefix(layer_allocation(uid, ""))
+            # Each request's directory is named from the request (layer_allocation), never parsed back into it.
+            requests = dict.fromkeys(name for device in record.devices for name in device.request_names)
+            for request in requests:
+                allocation = layer_allocation(uid, request)
+                memories = record.layer_allocations.get(allocation)
+                if memories is None:
+                    continue
                 # A request's slices are in the order of its prepared devices (plan_claim).
                 names = [device.device for device in record.devices if device.request_names == [request]]
                 for use in self.layer.usage(allocation, len(memories)):
