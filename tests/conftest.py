@@ -11,7 +11,7 @@ import pytest
 from gpuppetti.kubelet.emulator import KubeletEmulator
 from tests.helpers import Daemon, PluginProcess, short_tmpdir
 from tests.inprocess import InProcessPlugin
-from tests.packaging import clean_clone, only, pip_wheel, why_no_build
+from tests.packaging import clean_clone, make_dist, only, pip_wheel, why_no_build, why_no_dist
 
 
 @pytest.fixture
@@ -96,3 +96,15 @@ def clean_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = pip_wheel(source, base / "dist")
     assert result.returncode == 0, f"pip wheel failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
     return only(base / "dist", "gpuppetti-*.whl")
+
+
+@pytest.fixture(scope="session")
+def dist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `make dist` writes from a clean clone of HEAD: the sdist and a manylinux wheel per architecture."""
+    reason = why_no_dist()
+    if reason is not None:
+        pytest.skip(f"`make dist` cannot build every architecture's wheel here: {reason}")
+    clone = clean_clone(tmp_path_factory.mktemp("dist") / "gpuppetti")
+    result = make_dist(clone)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return clone / "dist"

@@ -32,15 +32,9 @@ pytestmark = pytest.mark.e2e
 WHEEL_NAME = re.compile(r"^gpuppetti-[0-9][^-]*-py3-none-(manylinux_2_[0-9]+_(x86_64|aarch64))\.whl$")
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    reason = why_no_dist()
-    if reason is not None:
-        pytest.skip(f"`make dist` cannot build every architecture's wheel here: {reason}")
-    clone = clean_clone(tmp_path_factory.mktemp("dist") / "gpuppetti")
-    result = make_dist(clone)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return clone / "dist"
+@pytest.fixture
+def dist(dist_dir: Path) -> Path:
+    return dist_dir
 
 
 def wheels(dist: Path) -> dict[str, Path]:

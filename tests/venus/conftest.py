@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.apps.support import WGPU
-from tests.packaging import clean_clone, make_dist, only, why_no_dist
+from tests.packaging import only
 from tests.venus import venusnode
 from tests.venus.venusnode import TIMINGS, Batch, CannotRun, Guest
 
@@ -92,15 +92,9 @@ def guest(request: pytest.FixtureRequest, venus_machine: None) -> Guest:
 
 
 @pytest.fixture(scope="session")
-def aarch64_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def aarch64_wheel(dist_dir: Path) -> Path:
     """The aarch64 wheel `make dist` builds from a clean clone of HEAD: what a Mac's arm64 VM installs."""
-    reason = why_no_dist()
-    if reason is not None:
-        pytest.skip(f"arm64 venus tier skipped: the aarch64 wheel cannot be built here: {reason}")
-    source = clean_clone(tmp_path_factory.mktemp("arm64-dist") / "clone")
-    built = make_dist(source)
-    assert built.returncode == 0, f"make dist failed:\n{built.stdout[-2000:]}{built.stderr[-2000:]}"
-    return only(source / "dist", "gpuppetti-*_aarch64.whl")
+    return only(dist_dir, "gpuppetti-*_aarch64.whl")
 
 
 @pytest.fixture(scope="session")
