@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import BaseModel
+from rich.cells import cell_len
 
 from bench.scale import build_parser as scale_bench_parser
 from gpuppetti.cli.parser import build_parser
@@ -169,3 +170,19 @@ def test_every_config_shown_validates(doc: Path) -> None:
     shows_configs = ("README.md", "configuration.md", "apple-silicon.md", "kind.md", "migrating-from-nvidia.md")
     if doc.name in shows_configs and doc.parent != ROOT / "bench":
         assert checked, f"{_doc_id(doc)} shows configs, and none was checked"
+
+
+CODE_WIDTH = 100
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=_doc_id)
+def test_every_code_block_line_fits_100_columns(doc: Path) -> None:
+    """A code line wider than the page scrolls sideways, so a reader pastes less than the command. Measured as the
+    file holds it, a list's indent included: that is what an editor and a terminal show."""
+    wide, fence = [], False
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif fence and cell_len(line) > CODE_WIDTH:
+            wide.append(f"line {number} ({cell_len(line)} columns)")
+    assert not wide, f"{_doc_id(doc)}: code lines wider than {CODE_WIDTH} columns: {wide}"
