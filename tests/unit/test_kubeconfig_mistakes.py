@@ -61,3 +61,14 @@ def test_a_good_kubeconfig_and_the_first_existing_of_a_list(tmp_path: Path) -> N
     kubeconfig.write_text(GOOD)
     assert read_kubeconfig(kubeconfig).current_context == "here"
     assert read_kubeconfig(Path(f"{tmp_path}/missing:{kubeconfig}")).current_context == "here"
+
+
+def test_install_with_a_context_of_its_own_needs_no_current_context(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(GOOD.replace("current-context: here\n", ""))
+    from gpuppetti.cli.main import parse
+
+    args = parse(["install", "--kubeconfig", str(kubeconfig), "--context", "here"], {})
+    assert args.kubeconfig == kubeconfig
+    truncated = run_here("install", "--kubeconfig", str(tmp_path / "missing"))
+    assert truncated.returncode == 2

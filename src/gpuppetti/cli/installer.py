@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 
 def _cluster(parser: Parser) -> None:
-    option(parser, "--kubeconfig", env="KUBECONFIG", convert=values.kubeconfig, metavar="PATH",
+    option(parser, "--kubeconfig", env="KUBECONFIG", convert=values.kubeconfig_any_context, metavar="PATH",
            shown_default="~/.kube/config", help="the kubeconfig whose cluster to use")
     option(parser, "--context", metavar="NAME", shown_default="the kubeconfig's current context",
            help="the kubeconfig's context to use")

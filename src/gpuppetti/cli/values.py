@@ -151,7 +151,7 @@ def endpoint(text: str) -> Path:
     return _path(text)
 
 
-def kubeconfig(text: str) -> Path:
+def kubeconfig(text: str, current: bool = True) -> Path:
     """One kubeconfig, or a list separated by ':' as kubectl takes them; at least one must exist."""
     paths = [Path(os.path.expanduser(part)) for part in text.split(os.pathsep) if part]
     if not paths:
@@ -163,11 +163,15 @@ def kubeconfig(text: str) -> Path:
     from gpuppetti.node.kube import ConfigError, read_kubeconfig
 
     try:
-        read_kubeconfig(Path(text))
+        read_kubeconfig(Path(text), current)
     except ConfigError as exc:
         raise Bad(exc.problem if len(paths) == 1 else str(exc)) from None
     return Path(text)
 
+
+def kubeconfig_any_context(text: str) -> Path:
+    """A kubeconfig as ``kubeconfig`` checks it, for a command with --context: its current context is not needed."""
+    return kubeconfig(text, current=False)
 
 def node_name(text: str) -> str:
     if (problem := dns_subdomain_problem(text)) is not None:

@@ -111,9 +111,10 @@ def load_config(kubeconfig: Path | None) -> KubeConfig:
     return read_kubeconfig(kubeconfig)
 
 
-def read_kubeconfig(path: Path) -> KubeConfig:
+def read_kubeconfig(path: Path, current: bool = True) -> KubeConfig:
     """The kubeconfig at ``path`` (the first existing one of a ``:``-separated list, as kubectl merges them only
-    for contexts we do not use), with a current context that names a cluster. Raises ConfigError."""
+    for contexts we do not use), with a current context that names a cluster (unless ``current`` is False: a
+    command that takes --context chooses its own). Raises ConfigError."""
     import yaml
 
     candidates = [Path(part).expanduser() for part in str(path).split(":") if part]
@@ -126,10 +127,11 @@ def read_kubeconfig(path: Path) -> KubeConfig:
             document = yaml.safe_load(file.read(KUBECONFIG_LIMIT))
         if not isinstance(document, dict):
             raise _bad(chosen, "not a kubeconfig (a YAML mapping with clusters, contexts and users)")
-        if not document.get("current-context"):
+        if current and not document.get("current-context"):
             raise _bad(chosen, "no current context: choose one with kubectl config use-context NAME")
         config = KubeConfig.from_dict(document, fname=chosen)
-        config.get()  # the current context, its cluster and user: what a client would ask for first
+        if current:
+            config.get()  # the current context, its cluster and user: what a client would ask for first
         return config
     except ConfigError:
         raise
