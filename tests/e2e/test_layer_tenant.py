@@ -36,13 +36,16 @@ def _no_deep_tree_left(tmp_path: Path) -> Iterator[None]:
     yield
     remove_tree(tmp_path)
 
+
 def _held(pod: str, units: list[str]) -> ContainerAllocation:
     return ContainerAllocation(pod, "c", APPLE, units, None, None)  # type: ignore[arg-type]
+
 
 def _layer(tmp_path: Path) -> LayerDir:
     layer = LayerDir(tmp_path / "vulkan")
     layer.allocations.mkdir(parents=True)
     return layer
+
 
 async def test_a_deep_tree_or_a_stuck_file_never_takes_the_plugin_down(tmp_path: Path) -> None:
     base = short_tmpdir()
@@ -69,6 +72,7 @@ async def test_a_deep_tree_or_a_stuck_file_never_takes_the_plugin_down(tmp_path:
             await enforcer.check()
         await enforcer.check()
         assert set(layer.existing()) == {allocation_id(["gpu-0::0", "gpu-0::2"])}, "tried again, and gone"
+
 
 async def test_a_restart_clears_what_it_can_and_serves_on(tmp_path: Path) -> None:
     base = short_tmpdir()
@@ -112,6 +116,7 @@ async def test_a_restart_learns_the_units_from_its_own_record_not_the_tenants_fi
         await restarted.check()
         holders = [row.labels[:2] for row in restarted.slice_uses()]
         assert sorted(holders) == [["default", "forger"], ["default", "victim"]], "one series per pod"
+
 
 async def test_a_directory_of_an_earlier_version_waits_for_the_kubelet_to_name_its_holder(tmp_path: Path) -> None:
     base = short_tmpdir()
