@@ -3,6 +3,7 @@ output that cannot be written is one line too."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,20 @@ def test_a_full_disk_is_one_line_and_exit_1(argv: list[str], tmp_path: Path) -> 
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines()[-1] == "gpuppetti: cannot write the output: No space left on device"
     assert "Traceback" not in result.stderr
+
+
+def test_a_ctrl_c_while_a_failure_is_said_is_one_line_and_130(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # The module, not the function of the same name that gpuppetti.cli exports.
+    main = importlib.import_module("gpuppetti.cli.main")
+
+    def interrupted(error: Exception) -> tuple[str, int]:
+        raise KeyboardInterrupt  # the signal, arriving inside run's handler of the command's failure
+
+    monkeypatch.setattr(main, "outcome", interrupted)
+    try:
+        code = main.run(["manifests", "--replicas", "0"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped run(): Python's traceback, and a death by SIGINT")
+    assert code == 130
+    assert capsys.readouterr().err == "gpuppetti: interrupted\n"

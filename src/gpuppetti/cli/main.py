@@ -79,6 +79,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     sys.stdout = _Output(stdout)
     try:
         return _run(argv)
+    except KeyboardInterrupt:
+        # A Ctrl-C inside one of _run's handlers (while a failure is being said), which its own clauses cannot
+        # catch: the same one line.
+        return fail("interrupted", EXIT_INTERRUPTED)
     finally:
         sys.stdout = stdout
 
