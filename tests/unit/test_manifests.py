@@ -138,6 +138,35 @@ def test_daemonset_security_and_mounts() -> None:
     assert {"operator": "Exists"} not in spec["tolerations"], "not every taint"
 
 
+@pytest.mark.parametrize("mode", ["plugin", "dra"])
+def test_bounded_allocation_dirs_are_a_privileged_daemon_whose_layer_mounts_reach_the_node(mode: str) -> None:
+    objects = _cli("--mode", mode, "--bound-allocation-dirs")
+    _validate(objects)
+    [daemonset] = [o for o in objects if o["kind"] == "DaemonSet"]
+    [container] = daemonset["spec"]["template"]["spec"]["containers"]
+    # What the API server asks of a container with mountPropagation Bidirectional: privileged, and then no
+    # allowPrivilegeEscalation false beside it.
+    assert container["securityContext"] == {"runAsUser": 0, "privileged": True, "readOnlyRootFilesystem": True}
+    propagation = {m["name"]: m.get("mountPropagation") for m in container["volumeMounts"]}
+    assert propagation.pop("vulkan-layer") == "Bidirectional"
+    assert set(propagation.values()) == {None}, "only the layer directory's mounts reach the node"
+    # Without the flag, the same objects but for those two fields.
+    [plain] = [o for o in _cli("--mode", mode) if o["kind"] == "DaemonSet"]
+    [plain_container] = plain["spec"]["template"]["spec"]["containers"]
+    assert plain_container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    for mount in container["volumeMounts"]:
+        mount.pop("mountPropagation", None)
+    container["securityContext"] = plain_container["securityContext"]
+    assert daemonset == plain
+
+
+def test_bounded_allocation_dirs_need_the_layer_directory() -> None:
+    result = run_here("manifests", "--bound-allocation-dirs", "--vulkan-layer-dir", "")
+    assert result.returncode == 2 and not result.stdout
+    [line] = result.stderr.strip().splitlines()
+    assert "--bound-allocation-dirs" in line and "needs --vulkan-layer-dir" in line, result.stderr
+
+
 def test_label_node_adds_only_get_and_patch_on_nodes() -> None:
     objects = _cli("--label-node")
     _validate(objects)

@@ -65,6 +65,11 @@ def register(command: Command) -> None:
     install.add_argument("--host-network", action="store_true",
                          help="run the daemons in the node's network, reaching the API server at the kubeconfig's "
                          "address: for a node without a pod network or kube-proxy")
+    install.add_argument("--bound-allocation-dirs", action="store_true",
+                         help="run the daemons privileged, their layer directory's mount Bidirectional, so that each "
+                         "allocation directory is a tmpfs of its own and no container can fill a node's disk "
+                         "through it (the nodes' /var/lib/gpuppetti/vulkan must be on a shared mount, as systemd "
+                         "makes /: docs/enforced-slices.md)")
     option(install, "--smoke-image", convert=values.image, metavar="IMAGE",
            shown_default="busybox:1.36; on minikube with krunkit, quay.io/slopezpa/fedora-vgpu (Venus)",
            help="the smoke pod's image: one with a Vulkan loader shows the slice through gpuppetti-vkinfo")
@@ -108,7 +113,7 @@ def install(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig, context=args.context, mode=args.mode, namespace=args.namespace,
         image=args.image, build=build, config=config_text, config_source=str(args.config) if args.config else None,
         replicas=args.replicas, nodes=tuple(args.node), host_network=args.host_network,
-        smoke_image=args.smoke_image, timeout=args.timeout,
+        bound_allocation_dirs=args.bound_allocation_dirs, smoke_image=args.smoke_image, timeout=args.timeout,
     )
     _run(lambda: work.install(settings, _say))
     return EXIT_OK

@@ -256,6 +256,10 @@ COMMANDS = (
                 metavar="DIR",
                 help="where the daemon installs the Vulkan layer on each node (a hostPath); '' turns enforcement "
                 "off"),
+            Switch("--bound-allocation-dirs",
+                   help="run the daemon privileged, its layer directory's mount Bidirectional, so that each "
+                   "allocation directory is a tmpfs of its own and no container can fill the node's disk through "
+                   "it (the node's layer directory must be on a shared mount: docs/enforced-slices.md)"),
             OneOf((
                 Plain("--preset", convert=values.choice("minikube-krunkit"), default=None, metavar="NAME",
                       help="a ready config: minikube-krunkit serves the VM's virtio-gpu as apple.com/gpu"),

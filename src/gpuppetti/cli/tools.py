@@ -127,6 +127,9 @@ def manifests(args: argparse.Namespace) -> int:
                                  "slicing in the config's dra section (--config)")
     if args.config is not None and args.replicas is not None:
         raise UsageError("--replicas applies to the generated config; set the replicas in --config instead")
+    if args.bound_allocation_dirs and not args.vulkan_layer_dir:
+        raise UsageError("--bound-allocation-dirs bounds the Vulkan layer's allocation directories: it needs "
+                         "--vulkan-layer-dir (enforcement on)")
     config_text: str | None = None
     if args.preset:
         config_text = manifests.preset_config(args.preset, args.replicas)
@@ -147,6 +150,7 @@ def manifests(args: argparse.Namespace) -> int:
         node_selector=args.preset is None,
         extra_node_selector=dict(args.node_selector),
         vulkan_layer_dir=str(args.vulkan_layer_dir or ""),
+        bound_allocation_dirs=args.bound_allocation_dirs,
         resources=resources,
         **({"tolerations": args.toleration} if args.toleration else {}),
     )

@@ -244,6 +244,7 @@ class Settings:
     replicas: int | None = None
     nodes: tuple[str, ...] = ()
     host_network: bool = False
+    bound_allocation_dirs: bool = False
     smoke_image: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     minikube_home: Path = field(default_factory=default_minikube_home)
@@ -268,6 +269,7 @@ def render(settings: Settings, config: str | None, image: str, loaded: bool, ser
         replicas=settings.replicas if config is None else None,
         # A loaded image is on the nodes only: the kubelet must not look for it in a registry.
         image_pull_policy="IfNotPresent" if loaded else None,
+        bound_allocation_dirs=settings.bound_allocation_dirs,
     )
     try:
         objects = manifests.render(options)
