@@ -102,13 +102,14 @@ def module_layer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LayerDir]
     yield installed
 
 
-def script(server: Path, tokens: int) -> str:
-    """The container's shell script: llama-server in the background (its log on stderr), /health until it answers,
-    one greedy /completion printed on a line of its own, then llama-server stopped. It exits with llama-server's
-    status where llama-server ended on its own (a model it refused), 0 where it answered and stopped."""
+def script(server: Path, tokens: int, model: str = IN_CONTAINER) -> str:
+    """The container's shell script: llama-server on ``model`` in the background (its log on stderr), /health until
+    it answers, one greedy /completion printed on a line of its own, then llama-server stopped. It exits with
+    llama-server's status where llama-server ended on its own (a model it refused), 0 where it answered and
+    stopped. The Venus tier runs the same script in its guest."""
     url = f"http://127.0.0.1:{PORT}"
     request = json.dumps({"prompt": PROMPT, "n_predict": tokens, "temperature": 0, "seed": 1})
-    server_argv = shlex.join([str(server), "-m", IN_CONTAINER, *SERVER_FLAGS, "--host", "127.0.0.1",
+    server_argv = shlex.join([str(server), "-m", model, *SERVER_FLAGS, "--host", "127.0.0.1",
                               "--port", str(PORT)])
     return f"""
 {server_argv} >&2 &

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ def guest(request: pytest.FixtureRequest, venus_machine: None) -> Guest:
     try:
         venusnode.setup()
         venv = venusnode.install_wheel(wheel)
-        apps = venusnode.install_apps((WGPU,))
+        apps = venusnode.install_apps(venusnode.APPS)
     except CannotRun as exc:
         pytest.skip(f"venus tier skipped: {exc}")
     return Guest(venv, apps)
@@ -117,9 +117,13 @@ def arm64_guest(request: pytest.FixtureRequest) -> Guest:
 VM_ATTEMPTS = 3
 
 
-def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, script: str, **options: Any) -> Batch:
-    """Boot one VM running the guest script ``script`` over a fresh work directory (shared read-write)."""
+def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, script: str,
+          before: Callable[[Path], None] | None = None, **options: Any) -> Batch:
+    """Boot one VM running the guest script ``script`` over a fresh work directory (shared read-write), which
+    ``before`` may add to."""
     work = tmp_path_factory.mktemp(f"venus-{label}")
+    if before is not None:
+        before(work)
     for name in ("driver.py", "runtime.py", "dra.py", "wgpu_slice.py", script):
         shutil.copy2(GUEST / name, work / name)
     shutil.copy2(WGPU_APP, work / "wgpu_app.py")
@@ -148,9 +152,14 @@ def batch(tmp_path_factory: pytest.TempPathFactory, guest: Guest, label: str, sc
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, guest: Guest) -> Iterator[Batch]:
-    """The node's batch: the plugin with the kubelet emulator and containers, discover and doctor. The guest's
-    own lavapipe is shown too (--guest-lavapipe), so that the GPU's driver must be told apart from another."""
-    yield batch(tmp_path_factory, guest, "node", "node.sh", guest_lavapipe=True)
+    """The node's batch: the plugin with the kubelet emulator and containers, discover and doctor, and llama.cpp in
+    a slice. The guest's own lavapipe is shown too (--guest-lavapipe), so that the GPU's driver must be told apart
+    from another."""
+    ran = batch(tmp_path_factory, guest, "node", "node.sh", guest_lavapipe=True,
+                before=lambda work: venusnode.write_llama(work / "llama"))
+    yield ran
+    # The model past the slice is 560 MiB.
+    (ran.out.parent / "llama" / "large.gguf").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,11 @@ import json
 import random
 from typing import Any
 
+import pytest
+
+from tests.apps.support import Ran
+from tests.apps.test_llama_cpp import answer, free_mib, offloaded, vulkan_buffer_mib
+from tests.apps.test_llama_cpp import log as llama_log
 from tests.cdi_checks import spec_problems
 from tests.dra_support import validate
 from tests.venus.venusnode import Batch
@@ -160,6 +165,44 @@ def test_wgpu_runs_inside_a_slice_on_venus(node: Batch) -> None:
     assert "Not enough memory left" in fill["error"]["message"], fill["error"]
     assert SLICE // 2 <= fill["obtained"] <= SLICE, fill["obtained"]
     assert fill["after"]["sha256"] == doubled(4, 7), "refused, wgpu goes on computing right"
+
+
+def llama(node: Batch, name: str) -> Ran:
+    """llama.cpp's run of step ``name`` as the apps' tests see theirs: its exit, its answer, its whole log."""
+    skipped = node.out.parent / "llama" / "skipped"
+    if skipped.exists():
+        pytest.skip(f"no llama.cpp in the guest: {skipped.read_text().strip()}")
+    steps = node.json("steps.json")
+    assert name in steps, f"the guest ran no step {name}:\n{node.context()}"
+    ran = steps[name]
+    return Ran(ran["code"], ran["stdout"], node.text(f"{name}.log"), ran["seconds"])
+
+
+def test_llama_cpp_inside_a_slice_on_venus_sees_the_slice_and_answers_as_without_the_layer(node: Batch) -> None:
+    inside, alone = llama(node, "llama-inside"), llama(node, "llama-alone")
+    assert inside.code == 0, llama_log(inside)
+    assert alone.code == 0, llama_log(alone)
+    assert "using device Vulkan0 (Virtio-GPU Venus" in inside.stderr, llama_log(inside)
+    # Its device's free memory is the slice (VK_EXT_memory_budget, from the layer); without the layer, Venus's heap.
+    assert SLICE // MIB - 4 <= free_mib(inside) <= SLICE // MIB
+    assert free_mib(alone) > SLICE // MIB
+    assert offloaded(inside) == (5, 5), "every layer and the output on Venus"
+    used = sum(vulkan_buffer_mib(inside, kind) for kind in ("model", "KV", "compute"))
+    assert 8 < used <= SLICE // MIB
+    generated = answer(inside)
+    assert len(generated.strip()) >= 8, f"it generated text: {generated!r}"
+    assert generated == answer(alone), "greedy, token for token what it generates without the layer"
+
+
+def test_llama_cpp_past_the_slice_on_venus_fails_with_its_own_out_of_memory_error(node: Batch) -> None:
+    refused = llama(node, "llama-past")
+    assert not refused.signalled, f"llama.cpp crashed ({refused.code}):\n{llama_log(refused)}"
+    assert refused.code == 1, llama_log(refused)
+    assert free_mib(refused) <= SLICE // MIB
+    assert "ErrorOutOfDeviceMemory" in refused.stderr, llama_log(refused)
+    assert "unable to allocate Vulkan0 buffer" in refused.stderr, llama_log(refused)
+    # llama-server's log thread may not flush its last lines ("failed to load model") before it exits here.
+    assert refused.reports() == [], llama_log(refused)
 
 
 def test_doctor_names_venus_as_the_driver_and_the_window(node: Batch) -> None:

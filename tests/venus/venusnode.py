@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from tests import helpers
-from tests.apps.support import WGPU
+from tests.apps.support import LLAMA_SERVER, LLAMA_SERVER_PACKAGE, WGPU, app_venv
+from tests.apps.support import CannotRun as NoApps
 from tests.helpers import fenced_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +76,15 @@ ARM64_PIP = Path("/opt/gpuppetti-venus-pip")
 GUEST_PYTHON = "3.13"
 # Every manylinux tag an aarch64 wheel may carry that trixie's glibc (2.41) runs.
 ARM64_PLATFORMS = ("manylinux2014_aarch64", *(f"manylinux_2_{minor}_aarch64" for minor in range(17, 42)))
+
+
+# The x86-64 guest's applications: wgpu, and llama.cpp's llama-server with its Vulkan backend (x86-64 only).
+APPS = (WGPU, LLAMA_SERVER)
+# llama.cpp in the x86-64 guest: the models written here (tests/apps/tiny_llama.py) and the apps' tests' script.
+LLAMA_WRITER = REPO / "tests" / "apps" / "tiny_llama.py"
+LLAMA_SMALL = ("--embd", "256", "--ff", "512", "--layers", "4", "--seed", "1")
+# 560 MiB of weights: past a slice of 512 MiB.
+LLAMA_LARGE = ("--embd", "1024", "--ff", "2048", "--layers", "14", "--seed", "2")
 
 
 class CannotRun(Exception):
@@ -286,14 +297,38 @@ def install_apps(requirements: tuple[str, ...]) -> Path:
     if stamp.is_file() and stamp.read_text() == wanted:
         return APPS_VENV
     started = time.monotonic()
+    # Quoted: a requirement may carry an environment marker (`; platform_machine == ...`).
+    quoted = " ".join(shlex.quote(requirement) for requirement in requirements)
     script = (f"rm -rf {APPS_VENV} && python3 -m venv {APPS_VENV} && {APPS_VENV}/bin/pip install --quiet "
-              f"--disable-pip-version-check {' '.join(requirements)} && printf '%s\\n' {' '.join(requirements)} > "
-              f"{APPS_VENV}/.requirements")
+              f"--disable-pip-version-check {quoted} && printf '%s\\n' {quoted} > {APPS_VENV}/.requirements")
     done = chroot("sh", "-c", script)
     TIMINGS.add(f"pip install {' '.join(requirements)} in the chroot", time.monotonic() - started)
     if done.returncode != 0:
         raise _pip_failed(" ".join(requirements), done)
     return APPS_VENV
+
+
+def write_llama(directory: Path) -> None:
+    """llama.cpp's part of the x86-64 guest's batch, in ``directory`` (under the VM's share): the models, and the
+    scripts that run llama-server on each (small.sh fits a slice, large.sh does not). Where the models cannot be
+    written here, ``skipped`` says why instead, and the guest runs no llama.cpp. Blocks for seconds."""
+    from tests.apps.test_llama_cpp import script  # the apps' own script, so that both tiers judge the same run
+
+    directory.mkdir()
+    found = sorted((STATE_DIR / "root" / APPS_VENV.relative_to("/")).glob(
+        f"lib/python*/site-packages/{LLAMA_SERVER_PACKAGE}/bin/llama-server"))
+    try:
+        if not found:
+            raise NoApps(f"{LLAMA_SERVER.split(';')[0]} is not installed in the guest's {APPS_VENV}")
+        python = app_venv()
+    except NoApps as exc:
+        (directory / "skipped").write_text(f"{exc}\n")
+        return
+    server = Path("/") / found[0].relative_to(STATE_DIR / "root")
+    for name, shape, tokens in (("small", LLAMA_SMALL, 16), ("large", LLAMA_LARGE, 2)):
+        model = directory / f"{name}.gguf"
+        subprocess.run([str(python), str(LLAMA_WRITER), str(model), *shape], check=True, timeout=300)
+        (directory / f"{name}.sh").write_text(script(server, tokens, str(model)))
 
 
 @dataclass(frozen=True)
@@ -432,7 +467,7 @@ def prepare() -> int:
     try:
         with machine_lock():
             setup()
-            install_apps((WGPU,))
+            install_apps(APPS)
     except (CannotRun, RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"venus tier: not prepared ahead (its tests will say why): {exc}")
         return 0

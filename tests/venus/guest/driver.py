@@ -103,9 +103,18 @@ async def main(work: Path, out: Path, apps_python: str) -> int:
         busy = ["gpuppetti-vkinfo", "--busy", "2", "--fill", "32", "--in-flight", "2"]
         await steps.run("busy-share", three, busy, alone, timeout=60, attempts=3)
         await steps.run("busy-free", three, busy, {**alone, "GPUPPETTI_VK_DISABLE": "1"}, timeout=60, attempts=3)
-        # The timed workloads are done: node.sh starts the DRA scenario beside the last one.
+        # The timed workloads are done: node.sh starts the DRA scenario beside the last ones.
         (out / "timed").write_text("")
         await steps.run("wgpu", three, [apps_python, str(work / "wgpu_slice.py"), "--slice-mib", "512"])
+        # llama.cpp's llama-server (its own Vulkan loader) on Venus alone, where the host wrote its models and
+        # scripts (work/llama): a model that fits the slice, the same without the layer, and one past the slice.
+        # Its log (stderr) goes whole to OUT/<step>.log: the lines judged come from its start and its end.
+        llama = work / "llama"
+        if (llama / "small.sh").exists():
+            for name, model, env in (("llama-inside", "small", alone),
+                                     ("llama-alone", "small", {**alone, "GPUPPETTI_VK_DISABLE": "1"}),
+                                     ("llama-past", "large", alone)):
+                await steps.run(name, three, ["sh", "-c", f"sh {llama / model}.sh 2> {out / name}.log"], env)
     return 0
 
 
