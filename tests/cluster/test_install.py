@@ -129,10 +129,11 @@ def _mounts_under(path: Path) -> list[tuple[str, str]]:
 
 
 @pytest.fixture
-def shared_layer_dir() -> Iterator[Path]:
+def shared_layer_dir(installing: None) -> Iterator[Path]:
     """The node's layer directory on a shared mount of its own, as systemd makes / shared on a usual host (this
     machine's / is private): the runtime refuses a Bidirectional mount elsewhere. Unmounted again after, with
-    every allocation directory's tmpfs the daemons left mounted for running containers."""
+    every allocation directory's tmpfs the daemons left mounted for running containers, before ``installing``
+    uninstalls and removes the directory (a mount point would stay behind)."""
     directory = LAYER / "vulkan"
     directory.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
@@ -160,7 +161,7 @@ def _fill_pod(mode: str, namespace: str, image: str) -> list[dict[str, Any]]:
 
 
 def test_bound_allocation_dirs_hold_a_tenant_to_a_small_tmpfs_in_both_modes(
-        node: RealNode, image: str, workdir: Path, shared_layer_dir: Path, installing: None) -> None:
+        node: RealNode, image: str, workdir: Path, shared_layer_dir: Path) -> None:
     for mode, config in (("plugin", PLUGIN), ("dra", DRA)):
         path = write_config(workdir, f"{mode}.yaml", config)
         code, out, err = install(node, "--mode", mode, "--image", image, "--config", str(path),
