@@ -14,17 +14,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuppetti.base.backoff import Backoff
 from gpuppetti.base.fsutil import make_directory
 from gpuppetti.base.instancelock import InstanceLock
 from gpuppetti.base.nodepaths import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.base.runtime import Runtime, StartupError
-from gpuppetti.base.watch import Change, watch_directory
-from gpuppetti.core import cdi
 from gpuppetti.core.model import Serves
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
+from gpuppetti.dra.driver import GpuDriver
 from gpuppetti.dra.slices import pool_content
-from gpuppetti.dra.state import DraState
+from gpuppetti.dra.store import ClaimStore
 from gpuppetti.kit.draplugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
 from gpuppetti.kit.endpoint import UnixEndpoint
 from gpuppetti.kit.publisher import SlicePublisher
@@ -50,38 +48,6 @@ class DraOptions:
     plugins_dir: Path = DEFAULT_PLUGINS_DIR
     kubeconfig: Path | None = None
     api_timeout: float = REQUEST_TIMEOUT_S
-
-
-async def _keep_cdi_specs(state: DraState) -> None:
-    """Duty: re-create the specs of prepared claims when something deletes them (or the whole directory), and keep
-    trying while some cannot be written (a full directory)."""
-    backoff = Backoff(0.5, 30.0)
-    while True:
-        try:
-            make_directory(state.cdi_dir)
-        except OSError as exc:
-            log.error("cannot create the CDI directory %s: %s", state.cdi_dir, exc.strerror or exc)
-            await backoff.wait()
-            continue
-        # Deletions only (a spec removed, the directory emptied by a reboot): the driver's own writes, each a
-        # rename from a temporary file, make no noise for it, even a thousand of them in one Prepare.
-        async for event in watch_directory(state.cdi_dir, creations=False, moves=False):
-            lost = event.change is Change.DELETED and event.name.startswith(cdi.spec_prefix(state.kind))
-            if lost or event.change in (Change.RESCAN, Change.READY) or state.missing_specs:
-                # Only specs of claims still prepared come back; the driver's own removals are not losses.
-                restored = await state.restore()
-                if restored and event.change is not Change.READY:
-                    log.warning("CDI specs of prepared claims were removed from %s; re-created %d",
-                                state.cdi_dir, restored)
-            if state.missing_specs:
-                # The directory refuses them (ENOSPC): try again after a while, not only on the next event.
-                break
-        else:
-            log.warning("CDI directory %s was removed; re-creating it and its specs", state.cdi_dir)
-        if state.missing_specs:
-            await backoff.wait()
-        else:
-            backoff.reset()
 
 
 async def run_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
@@ -123,13 +89,14 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         raise StartupError(str(exc)) from exc
     enforcement = await install_layer(serving.vulkan_layer_dir)
     metrics.enforced(enforcement.enforced)
-    state = DraState(inventory, options.node_name, serving.cdi_dir, checkpoint, kube, layer=enforcement.layer)
-    restored = await state.restore()
+    store = ClaimStore(serving.cdi_dir, checkpoint, layer=enforcement.layer)
+    restored = await store.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
-    metrics.watch_claims(state)
-    metrics.watch_slices(state)
-    service = DraService(state, metrics)
+    gpu_driver = GpuDriver(inventory, options.node_name, store, kube)
+    metrics.watch_claims(store)
+    metrics.watch_slices(gpu_driver)
+    service = DraService(gpu_driver, metrics)
 
     dra_socket = plugin_dir / "dra.sock"
     dra_endpoint = UnixEndpoint(dra_socket, lambda server: add_services(server, service, inventory,
@@ -155,11 +122,11 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
 
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot, enforcement.enforced)
-    http.slices = lambda: slice_records(state)
+    http.slices = lambda: slice_records(gpu_driver)
 
     runtime.spawn("kubelet-services", serve_and_register(dra_endpoint, registration_endpoint, f"DRA driver {driver}"))
-    runtime.spawn("cdi-specs", _keep_cdi_specs(state))
-    runtime.spawn("layer-trash", state.empty_trash())
+    runtime.spawn("cdi-specs", store.keep_specs())
+    runtime.spawn("layer-trash", store.empty_trash())
     runtime.spawn("slices-inventory", publisher.follow_inventory())
     runtime.spawn("slices-reconcile", publisher.reconcile_loop())
     runtime.spawn("slices-watch", publisher.watch())

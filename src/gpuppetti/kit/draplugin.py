@@ -50,6 +50,14 @@ class ClaimRef:
         return f"{self.namespace}/{self.name} ({self.uid})"
 
 
+def named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
+    """``2 claim(s): default/a (uid), default/b (uid)``, naming at most the first few: one log line per call, and a
+    kubelet call can carry a thousand claims."""
+    names = ", ".join(str(claim) for claim in claims[:shown])
+    more = f" and {len(claims) - shown} more" if len(claims) > shown else ""
+    return f"{len(claims)} claim(s): {names}{more}"
+
+
 # Slots: a driver holds these for every prepared claim, and a node may hold a thousand.
 @dataclass(frozen=True, slots=True)
 class PreparedDevice:

@@ -14,13 +14,9 @@ from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import Serves
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.checkpoint import Checkpoint
+from gpuppetti.dra.driver import LIST_FROM, GpuDriver, _collector_paused
 from gpuppetti.dra.plan import layer_allocation
-from gpuppetti.dra.state import (
-    LIST_FROM,
-    DraState,
-    _collector_paused,
-    _run_to_the_end,
-)
+from gpuppetti.dra.store import ClaimStore, _run_to_the_end
 from gpuppetti.kit.draplugin import ClaimRef
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.kube import ApiError
@@ -96,12 +92,13 @@ async def test_a_list_that_breaks_keeps_what_it_read_and_the_rest_are_read_one_b
     inventory = Inventory(config, SimulatedBackend(config.simulated).discover(), Serves.POOL)
     claims = {f"c{n}": _allocated(n) for n in range(LIST_FROM * 2)}
     reader = _Claims(claims, listed=LIST_FROM)
-    state = DraState(inventory, NODE, tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"), reader)
+    store = ClaimStore(tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"))
+    driver = GpuDriver(inventory, NODE, store, reader)
     refs = [ClaimRef("default", claim.metadata.uid or "", name) for name, claim in claims.items()]
-    answers = await state.prepare(refs)
+    answers = await driver.prepare(refs)
     assert all(isinstance(answer, list) for answer in answers.values()), answers
     assert reader.read == [f"c{n}" for n in range(LIST_FROM, LIST_FROM * 2)], "only the claims the list did not give"
-    assert state.prepared == LIST_FROM * 2
+    assert store.prepared == LIST_FROM * 2
     assert len(list((tmp_path / "cdi").iterdir())) == LIST_FROM * 2
 
 
@@ -125,22 +122,22 @@ def _partition(n: int) -> ResourceClaim:
              "consumedCapacity": {"memory": "12Gi"}}]}}}})
 
 
-def _layered_state(tmp_path: Path) -> tuple[DraState, LayerDir, list[ClaimRef]]:
+def _layered_driver(tmp_path: Path) -> tuple[GpuDriver, LayerDir, list[ClaimRef]]:
     config = config_from(PARTITIONS)
     inventory = Inventory(config, SimulatedBackend(config.simulated).discover(), Serves.POOL)
     claims = {f"c{n}": _partition(n) for n in range(2)}
     layer = LayerDir(tmp_path / "vulkan")
     layer.allocations.mkdir(parents=True)
-    state = DraState(inventory, NODE, tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"),
-                     _Claims(claims, listed=len(claims)), layer=layer)
+    store = ClaimStore(tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"), layer=layer)
+    driver = GpuDriver(inventory, NODE, store, _Claims(claims, listed=len(claims)))
     refs = [ClaimRef("default", claim.metadata.uid or "", name) for name, claim in claims.items()]
-    return state, layer, refs
+    return driver, layer, refs
 
 
 async def test_a_claim_whose_layer_directory_holds_many_files_goes_while_another_is_prepared(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    state, layer, (first, second) = _layered_state(tmp_path)
-    assert isinstance((await state.prepare([first]))[first.uid], list)
+    driver, layer, (first, second) = _layered_driver(tmp_path)
+    assert isinstance((await driver.prepare([first]))[first.uid], list)
     directory = layer.allocations / layer_allocation(first.uid, "gpu")
     for n in range(2000):
         (directory / f"left-by-the-tenant-{n}").write_bytes(b"")
@@ -158,25 +155,25 @@ async def test_a_claim_whose_layer_directory_holds_many_files_goes_while_another
 
     monkeypatch.setattr(LayerDir, "remove", held_remove)
     async with asyncio.TaskGroup() as group:
-        emptier = group.create_task(state.empty_trash())
-        assert (await state.unprepare([first]))[first.uid] == ""
+        emptier = group.create_task(driver.store.empty_trash())
+        assert (await driver.unprepare([first]))[first.uid] == ""
         assert not directory.exists(), "gone from the layer's directory when the kubelet is told"
         await asyncio.to_thread(removing.wait, 10)
-        assert isinstance((await state.prepare([second]))[second.uid], list)
+        assert isinstance((await driver.prepare([second]))[second.uid], list)
         order.append("prepared")
         release.set()
         await asyncio.to_thread(removed.wait, 10)
         emptier.cancel()
-    assert state.trash is not None and not any(state.trash.allocations.iterdir()), "the trash is emptied"
+    assert driver.store.trash is not None and not any(driver.store.trash.allocations.iterdir()), "the trash is emptied"
     assert order == ["prepared", "removed"], "the other claim's Prepare waited for the tenant's files"
     assert (layer.allocations / layer_allocation(second.uid, "gpu")).is_dir()
 
 
 async def test_the_trash_is_emptied_at_start_and_what_cannot_be_removed_is_tried_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    state, _, _ = _layered_state(tmp_path)
-    assert state.trash is not None
-    left = state.trash.allocations / "dra-x.0000"
+    driver, _, _ = _layered_driver(tmp_path)
+    assert driver.store.trash is not None
+    left = driver.store.trash.allocations / "dra-x.0000"
     left.mkdir(parents=True)
     (left / "file").write_bytes(b"")
     attempts: list[str] = []
@@ -188,9 +185,9 @@ async def test_the_trash_is_emptied_at_start_and_what_cannot_be_removed_is_tried
             remove(self, allocation)
 
     monkeypatch.setattr(LayerDir, "remove", failing_once)
-    monkeypatch.setattr("gpuppetti.dra.state.Backoff", lambda initial, maximum: Backoff(0.01, 0.01))
+    monkeypatch.setattr("gpuppetti.dra.store.Backoff", lambda initial, maximum: Backoff(0.01, 0.01))
     async with asyncio.TaskGroup() as group:
-        emptier = group.create_task(state.empty_trash())
+        emptier = group.create_task(driver.store.empty_trash())
         while left.exists():
             await asyncio.sleep(0.01)
         emptier.cancel()

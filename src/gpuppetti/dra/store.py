@@ -1,0 +1,377 @@
+"""What the DRA driver keeps on the node, committed and restored together: the checkpoint, the claims' CDI specs and
+their Vulkan layer directories.
+
+The promises, kept after any fault: a claim is answered as prepared only once the checkpoint says so, and
+unprepared only once the checkpoint no longer holds it; what the kubelet was last told, the checkpoint, the CDI
+directory and the layer's directories agree. Every change is serialised by one lock, and nothing under it waits
+for the network (the driver reads claims before it commits them). Blocking writes (the checkpoint with fsync, the
+CDI specs, the layer's directories) run in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.fsutil import is_mount_point, make_directory, remove_file
+from gpuppetti.base.watch import Change, watch_directory
+from gpuppetti.core import cdi
+from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
+from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError
+from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice, named
+from gpuppetti.node.vulkanlayer import LayerDir
+
+log = logging.getLogger(__name__)
+
+# Beside the layer's allocations, on the same file system: a claim's directory is renamed into it under the lock
+# (one rename) and removed from there with no lock held, however many files a tenant left in it.
+TRASH = "dra-trash"
+
+Answer = list[PreparedDevice] | PrepareError
+
+T = TypeVar("T")
+
+
+async def _run_to_the_end(function: Callable[..., T], *args: Any) -> T:
+    """``function`` in a thread; a caller cancelled meanwhile (the kubelet gave up on its call) still waits for the
+    thread to finish before it is cancelled, so that the lock it holds is released only then and no other call's
+    checkpoint save runs beside this one's."""
+    future = asyncio.ensure_future(asyncio.to_thread(function, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({future})
+        raise
+
+
+def _write_specs(directory: Path, specs: Mapping[str, tuple[str, bytes]]) -> dict[str, str]:
+    """Write each claim's spec (its file name and its canonical JSON, as its record holds them); returns the error
+    of each that failed, by claim. Runs in a thread."""
+    by_file = {filename: uid for uid, (filename, _) in specs.items()}
+    failed = cdi.write_spec_files(directory, {filename: spec + b"\n" for filename, spec in specs.values()})
+    return {by_file[filename]: f"writing the CDI spec into {directory} failed: {exc.strerror or exc}"
+            for filename, exc in failed.items()}
+
+
+def _remove_specs(directory: Path, filenames: Sequence[str]) -> None:
+    for filename in filenames:
+        try:
+            remove_file(directory / filename)
+        except OSError as exc:
+            log.error("cannot remove CDI spec %s: %s", directory / filename, exc.strerror or exc)
+
+
+class ClaimStore:
+    """The checkpoint, the CDI specs and the layer's directories of the driver's claims; changes are serialised."""
+
+    def __init__(self, cdi_dir: Path, checkpoint: Checkpoint, kind: str = cdi.DEFAULT_KIND,
+                 layer: LayerDir | None = None) -> None:
+        self.cdi_dir = cdi_dir
+        self.checkpoint = checkpoint
+        self.kind = kind
+        # Where slices are enforced: the Vulkan layer's directory (None: they are not).
+        self.layer = layer
+        self._lock = asyncio.Lock()
+        # Prepared claims whose CDI spec could not be written back (a full directory), and why.
+        self.missing_specs: dict[str, str] = {}
+        # Layer directories of claims that went, renamed here to be removed outside the lock (empty_trash).
+        self.trash = None if layer is None else LayerDir(layer.path / TRASH)
+        self._trashed = asyncio.Event()
+        self._trashed.set()  # what an earlier instance left there goes too
+
+    @property
+    def records(self) -> Mapping[str, ClaimRecord]:
+        return self.checkpoint.claims
+
+    @property
+    def prepared(self) -> int:
+        return sum(1 for record in self.checkpoint.claims.values() if record.state == COMPLETED)
+
+    def completed(self, uid: str) -> list[PreparedDevice] | None:
+        """The devices of a claim the checkpoint holds as prepared; None for any other."""
+        record = self.checkpoint.claims.get(uid)
+        return record.devices if record is not None and record.state == COMPLETED else None
+
+    # -- restore: the CDI directory and the layer's directories agree with the checkpoint --------------------
+
+    def _spec_files(self) -> set[str]:
+        prefix = cdi.spec_prefix(self.kind) + "_"
+        try:
+            return {entry.name for entry in self.cdi_dir.iterdir() if entry.name.startswith(prefix)}
+        except FileNotFoundError:
+            return set()
+
+    async def restore(self) -> int:
+        """Re-create the missing CDI specs of completed claims (/var/run/cdi is tmpfs, and a reboot empties it) and
+        remove specs the checkpoint does not hold as prepared. Returns how many were re-created; those that could
+        not be are in ``missing_specs`` until a later call succeeds."""
+        async with self._lock:
+            restored = await _run_to_the_end(self._restore)
+        self._trashed.set()
+        return restored
+
+    def _restore(self) -> int:
+        present = self._spec_files()
+        wanted: dict[str, tuple[str, bytes]] = {}
+        for uid, record in self.checkpoint.claims.items():
+            if record.state == COMPLETED and record.cdi_spec and record.cdi_file:
+                if record.cdi_file not in present:
+                    wanted[uid] = (record.cdi_file, record.cdi_spec)
+                present.discard(record.cdi_file)
+        # Left over from a claim unprepared (or never completed) when the driver stopped: nobody's.
+        _remove_specs(self.cdi_dir, sorted(present))
+        if self.layer is not None:
+            self._restore_layer_dirs()
+        failed = _write_specs(self.cdi_dir, wanted) if wanted else {}
+        for uid, why in failed.items():
+            if self.missing_specs.get(uid) != why:
+                log.error("cannot re-create the CDI spec of prepared claim %s: %s", uid, why)
+        for uid in self.missing_specs.keys() - failed.keys():
+            log.info("re-created the CDI spec of prepared claim %s", uid)
+        self.missing_specs = failed
+        return len(wanted) - len(failed)
+
+    def _restore_layer_dirs(self) -> None:
+        """Each completed claim's layer directories there (kept as they are: running containers count in them),
+        as its checkpointed plan names them, and no other DRA claim's."""
+        assert self.layer is not None
+        kept = {allocation: (uid, memories) for uid, record in self.checkpoint.claims.items()
+                if record.state == COMPLETED for allocation, memories in record.layer_allocations.items()}
+        for allocation in self.layer.existing():
+            if allocation.startswith(LAYER_PREFIX) and allocation not in kept:
+                self._discard(allocation)
+        for allocation, (uid, memories) in kept.items():
+            try:
+                self.layer.create(allocation, memories, fresh=False)
+            except (OSError, ValueError) as exc:
+                log.error("cannot re-create the Vulkan layer's directory of prepared claim %s: %s", uid, exc)
+
+    async def keep_specs(self) -> None:
+        """Duty: re-create the specs of prepared claims when something deletes them (or the whole directory), and
+        keep trying while some cannot be written (a full directory)."""
+        backoff = Backoff(0.5, 30.0)
+        while True:
+            try:
+                make_directory(self.cdi_dir)
+            except OSError as exc:
+                log.error("cannot create the CDI directory %s: %s", self.cdi_dir, exc.strerror or exc)
+                await backoff.wait()
+                continue
+            # Deletions only (a spec removed, the directory emptied by a reboot): the driver's own writes, each a
+            # rename from a temporary file, make no noise for it, even a thousand of them in one Prepare.
+            async for event in watch_directory(self.cdi_dir, creations=False, moves=False):
+                lost = event.change is Change.DELETED and event.name.startswith(cdi.spec_prefix(self.kind))
+                if lost or event.change in (Change.RESCAN, Change.READY) or self.missing_specs:
+                    # Only specs of claims still prepared come back; the driver's own removals are not losses.
+                    restored = await self.restore()
+                    if restored and event.change is not Change.READY:
+                        log.warning("CDI specs of prepared claims were removed from %s; re-created %d",
+                                    self.cdi_dir, restored)
+                if self.missing_specs:
+                    # The directory refuses them (ENOSPC): try again after a while, not only on the next event.
+                    break
+            else:
+                log.warning("CDI directory %s was removed; re-creating it and its specs", self.cdi_dir)
+            if self.missing_specs:
+                await backoff.wait()
+            else:
+                backoff.reset()
+
+    # -- prepare ----------------------------------------------------------------------------------------------
+
+    async def answer_completed(self, claims: Sequence[ClaimRef]) -> dict[str, Answer]:
+        """The answers of the claims already prepared, their CDI specs written back where they went (without
+        them the container gets no GPU); the rest are not answered."""
+        async with self._lock:
+            answers: dict[str, Answer] = {}
+            missing: dict[str, tuple[str, bytes]] = {}
+            for claim in claims:
+                if (devices := self.completed(claim.uid)) is None:
+                    continue
+                answers[claim.uid] = devices
+                record = self.checkpoint.claims[claim.uid]
+                if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
+                    missing[claim.uid] = (record.cdi_file, record.cdi_spec)
+            if missing:
+                for uid, why in (await _run_to_the_end(_write_specs, self.cdi_dir, missing)).items():
+                    answers[uid] = PrepareError(why)
+            return answers
+
+    async def commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> dict[str, Answer]:
+        """Commit the planned claims; each claim's answer. A claim another call prepared meanwhile keeps what it
+        was given.
+
+        The checkpoint is written twice, however many claims there are: once with every new claim PrepareStarted
+        (before any side effect), once with them PrepareCompleted (after their layer directories and CDI specs).
+        """
+        async with self._lock:
+            answers: dict[str, Answer] = {}
+            fresh: dict[str, tuple[ClaimRef, Plan]] = {}
+            for uid, entry in planned.items():
+                if (devices := self.completed(uid)) is not None:
+                    answers[uid] = devices
+                else:
+                    fresh[uid] = entry
+            if fresh:
+                answers.update(await _run_to_the_end(self._commit, fresh))
+            return answers
+
+    def _commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> dict[str, Answer]:
+        """Blocks (fsync): run in one thread, under the lock."""
+        started = {**self.checkpoint.claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED,
+                                                                 layer_allocations=plan.allocations)
+                                                for uid, (c, plan) in planned.items()}}
+        try:
+            self.checkpoint.save(started)
+        except OSError as exc:
+            why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; nothing was prepared"
+            return dict.fromkeys(planned, PrepareError(why))
+        # Each spec is encoded once: its file and its checkpoint record hold the same bytes.
+        specs = {uid: cdi.encode_spec(plan.spec).encode() for uid, (_, plan) in planned.items()}
+        failed = self._write(planned, specs)
+        answers: dict[str, Answer] = {}
+        completed = dict(started)
+        for uid, (claim, plan) in planned.items():
+            if uid in failed:
+                del completed[uid]
+                answers[uid] = PrepareError(failed[uid])
+            else:
+                completed[uid] = ClaimRecord(uid, claim.namespace, claim.name, COMPLETED, plan.devices, specs[uid],
+                                             plan.filename, plan.allocations)
+        written = [uid for uid in planned if uid not in failed]
+        try:
+            self.checkpoint.save(completed)
+        except OSError as exc:
+            # The file still says PrepareStarted: the kubelet is told these failed, and their specs go again, so
+            # that its retry (which saves again) finds the three in agreement.
+            _remove_specs(self.cdi_dir, [planned[uid][1].filename for uid in written])
+            why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; the kubelet will retry"
+            answers.update(dict.fromkeys(written, PrepareError(why)))
+            return answers
+        debug = log.isEnabledFor(logging.DEBUG)
+        for uid in written:
+            claim, plan = planned[uid]
+            answers[uid] = plan.devices
+            if debug:
+                log.debug("prepared claim %s (%s)", claim, ", ".join(d.device for d in plan.devices))
+        return answers
+
+    def _write(self, planned: Mapping[str, tuple[ClaimRef, Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
+        """The claims' layer directories, then their CDI specs (which mount them); the errors by claim."""
+        failed: dict[str, str] = {}
+        for uid, (_, plan) in planned.items():
+            try:
+                for allocation_id, memories in plan.allocations.items():
+                    if self.layer is not None:
+                        self.layer.create(allocation_id, memories)
+            except OSError as exc:
+                failed[uid] = f"creating the Vulkan layer's directory in {self.layer} failed: {exc.strerror or exc}"
+        files = {plan.filename: specs[uid] + b"\n" for uid, (_, plan) in planned.items() if uid not in failed}
+        by_file = {plan.filename: uid for uid, (_, plan) in planned.items()}
+        for filename, error in cdi.write_spec_files(self.cdi_dir, files).items():
+            failed[by_file[filename]] = f"writing the CDI spec into {self.cdi_dir} failed: {error.strerror or error}"
+        return failed
+
+    # -- unprepare --------------------------------------------------------------------------------------------
+
+    async def forget(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        """Forget every claim of one call; a claim that was never prepared is simply not there. Each answer is ""
+        (done) or why not; "done" only once the checkpoint no longer holds the claim."""
+        async with self._lock:
+            current = self.checkpoint.claims
+            gone = [claim for claim in claims if claim.uid in current]
+            directories = [allocation for claim in gone for allocation in current[claim.uid].layer_allocations]
+            if gone:
+                leaving = {claim.uid for claim in gone}
+                remaining = {uid: record for uid, record in current.items() if uid not in leaving}
+                try:
+                    await _run_to_the_end(self.checkpoint.save, remaining)
+                except OSError as exc:
+                    why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
+                    return {claim.uid: why for claim in claims}
+                log.info("unprepared %s", named(gone))
+            # After the checkpoint let them go; a spec the checkpoint never held goes too.
+            await _run_to_the_end(_remove_specs, self.cdi_dir,
+                                  [cdi.spec_filename(self.kind, claim.uid) for claim in claims])
+            if directories:
+                await _run_to_the_end(self._discard_all, directories)
+                self._trashed.set()
+            for claim in claims:
+                self.missing_specs.pop(claim.uid, None)
+            return {claim.uid: "" for claim in claims}
+
+    # -- layer directories that went -------------------------------------------------------------------------
+
+    def _discard(self, allocation: str) -> None:
+        """Move a claim's layer directory into the trash: one rename, so that the lock is held for no more,
+        whatever the directory holds. Blocks (a system call or two): call it in a thread."""
+        assert self.layer is not None and self.trash is not None
+        source = self.layer.allocations / allocation
+        if is_mount_point(source):
+            # A tmpfs of its own, sized for its accounting files: bounded, so removed here at once (rename(2)
+            # would refuse a mount point, EBUSY). What cannot go is retried by the next Unprepare or start.
+            self.layer.remove(allocation)
+            return
+        # A name of its own in the trash: an earlier directory of the same claim may still be there.
+        target = self.trash.allocations / f"{allocation[:100]}.{secrets.token_hex(4)}"
+        try:
+            make_directory(self.trash.allocations)
+            os.rename(source, target)
+        except FileNotFoundError:
+            if source.exists():
+                log.error("cannot move the Vulkan layer's directory %s into %s: it vanished", source, target.parent)
+        except OSError as exc:
+            log.error("cannot move the Vulkan layer's directory %s into %s (%s); it stays until the driver starts "
+                      "again", source, target.parent, exc.strerror or exc)
+
+    def _discard_all(self, allocations: Sequence[str]) -> None:
+        for allocation in allocations:
+            self._discard(allocation)
+
+    def _empty_trash(self) -> list[str]:
+        """Remove what the trash holds; returns what could not be removed. Blocks: call it in a thread."""
+        assert self.trash is not None
+        try:
+            entries = list(os.scandir(self.trash.allocations))
+        except FileNotFoundError:
+            return []
+        left = []
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                self.trash.remove(entry.name)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            if os.path.lexists(entry.path):
+                left.append(entry.name)
+        return left
+
+    async def empty_trash(self) -> None:
+        """Duty: remove the layer directories of claims that went, with no lock held, as they arrive and at
+        start; what cannot be removed is logged and tried again after a while."""
+        if self.trash is None:
+            return
+        backoff = Backoff(1.0, 300.0)
+        while True:
+            await self._trashed.wait()
+            self._trashed.clear()
+            left = await asyncio.to_thread(self._empty_trash)
+            if not left:
+                backoff.reset()
+                continue
+            delay = backoff.next()
+            log.warning("cannot remove %d directory(ies) from %s yet (%s); trying again in %.0fs", len(left),
+                        self.trash.allocations, ", ".join(left[:3]), delay)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._trashed.wait()
+            self._trashed.set()
