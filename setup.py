@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 NATIVE_SOURCE = ROOT / "native" / "vulkan-layer"
-# What the layer's build must leave in the package (src/gpuppetti/node/vulkanlayer.py reads these names).
+# What the layer's build must leave in the package (src/gpuppetti/layer/vulkan.py reads these names).
 LIBRARY = "libVkLayer_gpuppetti.so"
 PROBE = "gpuppetti-vkinfo"
 NATIVE_FILES = (LIBRARY, PROBE)

@@ -34,13 +34,14 @@ from gpuppetti.base.tables import Column, Prose, print_table
 from gpuppetti.commands.manifests import RESOURCES
 from gpuppetti.core.config import parse_config
 from gpuppetti.core.model import Health
+from gpuppetti.deviceplugin.devicelists import DeviceLists
 from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.kubelet.emulator import KubeletEmulator, PluginEndpoint
 from gpuppetti.kubelet.sandbox import vulkan_icd
+from gpuppetti.layer.vulkan import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics
-from gpuppetti.node.vulkanlayer import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir
 from gpuppetti.sharing.budgets import Budget
 from gpuppetti.sharing.replicas import Unit, replica_unit_id
 from tests.standins.apiserver import ApiStandIn
@@ -340,14 +341,15 @@ async def bench_list_building(figures: list[Figure]) -> None:
         config = parse_config(plugin_config(units), "bench")
         inventory = Inventory(config, SimulatedBackend(config.simulated).discover())
         plan = inventory.plan[APPLE]
-        inventory.snapshot.device_list(APPLE)
+        lists = DeviceLists()
+        lists.of(inventory.snapshot, APPLE)
         samples = []
         for n in range(20):
             # As after a health event: one GPU changed, and the whole list goes to the kubelet again.
             health = Health.UNHEALTHY if n % 2 == 0 else Health.HEALTHY
             inventory.set_health(plan.units[0].gpu_id, health)
             began = time.perf_counter()
-            inventory.snapshot.device_list(APPLE)
+            lists.of(inventory.snapshot, APPLE)
             samples.append(time.perf_counter() - began)
         median = statistics.median(samples) * 1000
         figures.append(Figure(f"ListAndWatch list rebuilt after a health change and encoded, "

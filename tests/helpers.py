@@ -256,7 +256,7 @@ def hold_slice(accounting: Path, used: int, waited_ns: int = 0) -> IO[bytes]:
     """What a live process of a container writes in its slice's accounting file: the slice's total, its slot's
     part and its submits' waiting, and the lock on its slot that says it lives. The lock lasts while the returned
     file is open: close it and the process is gone."""
-    from gpuppetti.node.vulkanlayer import ACCT_LOCK_BASE, ACCT_SLOT_BYTES_OFFSET, ACCT_WAITED_OFFSET
+    from gpuppetti.layer.vulkan import ACCT_LOCK_BASE, ACCT_SLOT_BYTES_OFFSET, ACCT_WAITED_OFFSET
 
     acct = open(accounting, "r+b")  # noqa: SIM115 (kept open by the caller: the lock)
     for offset, value in ((24, used), (ACCT_SLOT_BYTES_OFFSET, used), (ACCT_WAITED_OFFSET, waited_ns)):

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, manifest
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, manifest
 from tests.apps.wgpu_app import values
 
 MIB = 2**20

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti.node.vulkanlayer import LayerDir
+from gpuppetti.layer.vulkan import LayerDir
 from tests.apps.support import CannotRun, app_venv, python_image, why_not_here
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from gpuppetti.core.model import ContainerEdits, Gpu, Vendor
 from gpuppetti.kubelet.sandbox import PODMAN_FLAGS, RUN_FLAGS, VULKAN_IMAGE, PodmanSandbox
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, PROBE, LayerDir
 from gpuppetti.sharing.budgets import Budget
 
 MIB = 2**20

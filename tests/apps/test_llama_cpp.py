@@ -25,7 +25,7 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits
 from gpuppetti.kubelet.sandbox import podman_flags
-from gpuppetti.node.vulkanlayer import LayerDir
+from gpuppetti.layer.vulkan import LayerDir
 from tests.apps.conftest import can_run
 from tests.apps.support import (
     MIB,

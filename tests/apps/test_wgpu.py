@@ -18,7 +18,7 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits
 from gpuppetti.kubelet.sandbox import podman_flags
-from gpuppetti.node.vulkanlayer import LayerDir
+from gpuppetti.layer.vulkan import LayerDir
 from tests.apps.conftest import PythonApp
 from tests.apps.support import MIB, WGPU, bind, run, slice_edits, without_slices
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gpuppetti.kubelet.sandbox import VULKAN_IMAGE, PodmanSandbox, vulkan_icd
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.layer.vulkan import BUILT, LIBRARY
 from tests.cluster.realnode import BUSYBOX, RealNode, wait_for, write_config
 from tests.cluster.test_dra import classes, template
 from tests.cluster.test_dra import start as start_driver

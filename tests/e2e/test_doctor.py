@@ -18,7 +18,7 @@ from gpuppetti.commands.doctor import vulkan, window
 from gpuppetti.commands.doctor.result import Status
 from gpuppetti.core.model import DeviceNode, Gpu, Vendor
 from gpuppetti.kubelet.emulator import KubeletEmulator
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, LayerDir
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, PROBE, LayerDir
 from tests.fixtures import FakeHost, amd_machine, virtio_vm
 from tests.helpers import TWO_M3_MAX, Daemon, run_here, short_tmpdir
 from tests.standins.cri import CriStandIn

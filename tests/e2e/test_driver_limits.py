@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.layer.vulkan import BUILT, LIBRARY
 from tests.fakes.toolkit import fake_toolkit
 from tests.helpers import PluginProcess, fake_nvml_env, run_cli
 

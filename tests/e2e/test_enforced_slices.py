@@ -22,7 +22,7 @@ from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.kubelet.sandbox import PodmanSandbox
-from gpuppetti.node.vulkanlayer import (
+from gpuppetti.layer.vulkan import (
     ACCT_LOCK_BASE,
     ACCT_NOT_BEFORE_OFFSET,
     ACCT_SLOT_BYTES_OFFSET,

@@ -130,7 +130,7 @@ def test_the_amd64_image_runs(images: dict[str, str]) -> None:
     assert helped.returncode == 0, helped.stderr
     assert "usage: gpuppetti" in helped.stdout
     checked = podman("run", *RUN_FLAGS, "--entrypoint", "python3", image, "-c",
-                     "import gpuppetti.node.vulkanlayer as v; print(v.missing_files())")
+                     "import gpuppetti.layer.vulkan as v; print(v.missing_files())")
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.strip() == "[]"
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gpuppetti.core.model import Gpu, Vendor
-from gpuppetti.node.vulkanlayer import LIBRARY, PROBE, LayerDir, manifest
+from gpuppetti.layer.vulkan import LIBRARY, PROBE, LayerDir, manifest
 from gpuppetti.sharing.budgets import Budget
 
 pytestmark = pytest.mark.e2e

@@ -17,7 +17,7 @@ import pytest
 from gpuppetti.base.fsutil import is_mount_point, mounts_propagate, remove_tree
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
-from gpuppetti.node.vulkanlayer import ACCT_FILE_SIZE, TMPFS_MARGIN, TMPFS_SPARE_FILES, LayerDir, install_layer
+from gpuppetti.layer.vulkan import ACCT_FILE_SIZE, TMPFS_MARGIN, TMPFS_SPARE_FILES, LayerDir, install_layer
 from gpuppetti.sharing.budgets import Budget
 from tests.e2e.test_vulkan_layer import SIMULATED
 from tests.helpers import replicas, short_tmpdir

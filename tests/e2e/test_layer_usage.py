@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpuppetti.kubelet.sandbox import vulkan_icd
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, manifest
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, manifest
 
 pytestmark = pytest.mark.e2e
 

@@ -84,7 +84,7 @@ def test_the_installed_wheel_delivers_the_layer(clean_wheel: Path, tmp_path: Pat
     """Installed into a fresh venv, as a user installs it: the daemons find the layer and install it."""
     env = venv_with(clean_wheel, tmp_path / "venv", compile=False)
     python = env / "bin" / "python"
-    script = ("import sys; from pathlib import Path; from gpuppetti.node.vulkanlayer import LayerDir; "
+    script = ("import sys; from pathlib import Path; from gpuppetti.layer.vulkan import LayerDir; "
               "LayerDir(Path(sys.argv[1])).install()")
     layer_dir = tmp_path / "layer"
     subprocess.run([str(python), "-c", script, str(layer_dir)], check=True, capture_output=True, timeout=60)

@@ -9,7 +9,7 @@ import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.kubelet.sandbox import PodmanSandbox, allocation_flags, parse_probe, vulkan_icd
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.layer.vulkan import BUILT, LIBRARY
 from tests.helpers import run_cli
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ import pytest
 
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.layer.vulkan import BUILT, LIBRARY
 from tests.helpers import TWO_M3_MAX, Daemon, DaemonProcess, hold_slice, run_cli
 
 pytestmark = [pytest.mark.e2e,

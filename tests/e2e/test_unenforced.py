@@ -15,7 +15,7 @@ import pytest
 
 import gpuppetti
 from gpuppetti.kubelet.emulator import KubeletEmulator
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.layer.vulkan import BUILT, LIBRARY
 from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess, run_cli, run_here
 
 pytestmark = pytest.mark.e2e

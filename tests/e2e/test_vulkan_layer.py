@@ -19,7 +19,7 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits, Gpu, Vendor
 from gpuppetti.kubelet.sandbox import VULKAN_IMAGE, PodmanSandbox, podman_flags, vulkan_icd
-from gpuppetti.node.vulkanlayer import (
+from gpuppetti.layer.vulkan import (
     ACCT_NOT_BEFORE_OFFSET,
     BUILT,
     CONTAINER_ACCOUNTING,

@@ -23,7 +23,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY
+from gpuppetti.layer.vulkan import BUILT, LIBRARY
 from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess
 
 pytestmark = pytest.mark.fault

@@ -14,8 +14,8 @@ from gpuppetti.core.model import Health
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.plan import PrepareError, layer_allocation, plan_claim
 from gpuppetti.kit.draplugin import ClaimRef
+from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.inventory import Inventory, Snapshot
-from gpuppetti.node.vulkanlayer import LayerDir
 from tests.dra_support import DRIVER, NODE
 from tests.helpers import config_from
 

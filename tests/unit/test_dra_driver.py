@@ -18,9 +18,9 @@ from gpuppetti.dra.driver import LIST_FROM, GpuDriver, _collector_paused
 from gpuppetti.dra.plan import layer_allocation
 from gpuppetti.dra.store import ClaimStore, _run_to_the_end
 from gpuppetti.kit.draplugin import ClaimRef
+from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.kube import ApiError
-from gpuppetti.node.vulkanlayer import LayerDir
 from tests.dra_support import DRIVER, NODE
 from tests.helpers import config_from
 

@@ -6,6 +6,7 @@ import pytest
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.core.model import ContainerEdits, DeviceNode, Health, Mount
+from gpuppetti.deviceplugin.devicelists import DeviceLists
 from gpuppetti.deviceplugin.server import RequestError, edits_to_response, resolve_request
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.node.inventory import Inventory, Snapshot
@@ -69,7 +70,7 @@ def test_resolve_request_names_every_offending_id() -> None:
 
 
 def _listed(snapshot: Snapshot, resource: str = "apple.com/gpu") -> list[pb.Device]:
-    return list(pb.ListAndWatchResponse.FromString(snapshot.device_list(resource)).devices)
+    return list(pb.ListAndWatchResponse.FromString(DeviceLists().of(snapshot, resource)).devices)
 
 
 async def test_health_changes_bump_the_version_and_the_list() -> None:

@@ -26,11 +26,11 @@ from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.plan import plan_claim
 from gpuppetti.dra.slices import pool_content
 from gpuppetti.kit.draplugin import ClaimRef
-from gpuppetti.node import dmem_hook
+from gpuppetti.layer import dmem_hook
+from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.node.report import gpu_records
-from gpuppetti.node.vulkanlayer import LayerDir
 from gpuppetti.sharing.budgets import Budget
 from gpuppetti.sharing.limits import DMEM_HOOK, limit_edits
 from tests.dra_support import DRIVER, NODE

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuppetti.node.vulkanlayer import (
+from gpuppetti.layer.vulkan import (
     ACCT_FIGURE_LIMIT,
     ACCT_LOCK_BASE,
     ACCT_SLOT_BYTES_OFFSET,

@@ -16,9 +16,9 @@ from gpuppetti._proto.deviceplugin.v1beta1.api_pb2 import ContainerAllocateRespo
 from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
+from gpuppetti.layer.vulkan import LayerDir, SliceUse
 from gpuppetti.node.metrics import Metrics, SliceRow
 from gpuppetti.node.report import slice_records
-from gpuppetti.node.vulkanlayer import LayerDir, SliceUse
 from gpuppetti.sharing.budgets import Budget
 from tests.helpers import hold_slice, replicas, short_tmpdir
 

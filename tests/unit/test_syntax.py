@@ -18,7 +18,7 @@ from gpuppetti.base.syntax import (
 )
 from gpuppetti.core.config import resource_name_problem
 from gpuppetti.kit.draplugin import ClaimRef, claim_problem
-from gpuppetti.node.vulkanlayer import LayerDir
+from gpuppetti.layer.vulkan import LayerDir
 
 UID = "0b7c6f8e-4a8e-4c55-9b3a-2f9d1e6c7a10"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpuppetti.base.fsutil import REMOVE_DEPTH, remove_tree
-from gpuppetti.node.vulkanlayer import LayerDir
+from gpuppetti.layer.vulkan import LayerDir
 
 MIB = 2**20
 

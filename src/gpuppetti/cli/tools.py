@@ -33,10 +33,10 @@ def console() -> Console:
 
 def discover(args: argparse.Namespace) -> int:
     from gpuppetti.discovery import BackendUnavailable, with_host_facts
+    from gpuppetti.layer.vulkan import BUILD_FIX, Enforcement, missing_files
     from gpuppetti.node.daemon import host_agent, load_and_discover, nothing_found
     from gpuppetti.node.inventory import Inventory
     from gpuppetti.node.report import gpu_records, print_gpus
-    from gpuppetti.node.vulkanlayer import BUILD_FIX, Enforcement, missing_files
     from gpuppetti.sharing.remarks import config_remarks
 
     url = getattr(args, "from")

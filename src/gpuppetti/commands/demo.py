@@ -49,11 +49,11 @@ from gpuppetti.kubelet.sandbox import (
     Seen,
     linked_libraries,
 )
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, PROBE, Enforcement, install_layer
 from gpuppetti.node.httpserver import AddressError, HttpServer
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.node.report import gpu_records, print_gpus, slice_records
-from gpuppetti.node.vulkanlayer import BUILT, LIBRARY, PROBE, Enforcement, install_layer
 from gpuppetti.sharing.remarks import config_remarks
 
 DEFAULT_DEMO_CONFIG = """\

@@ -29,8 +29,8 @@ import grpc
 from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
 from gpuppetti.core.model import ContainerEdits
+from gpuppetti.layer.vulkan import MAX_SLICES_READ, LayerDir
 from gpuppetti.node.metrics import SliceRow
-from gpuppetti.node.vulkanlayer import MAX_SLICES_READ, LayerDir
 from gpuppetti.sharing.budgets import Budget
 from gpuppetti.sharing.replicas import Unit
 
@@ -55,7 +55,7 @@ def pod_resources_socket(device_plugin_dir: Path) -> Path:
 
 
 class Enforcer:
-    """Allocation directories in an installed layer directory (vulkanlayer.install_layer)."""
+    """Allocation directories in an installed layer directory (layer.vulkan.install_layer)."""
 
     def __init__(self, layer: LayerDir, pod_resources: Path, interval: float = CHECK_INTERVAL_S,
                  grace: float = GRACE_S) -> None:

@@ -37,6 +37,7 @@ from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
 from gpuppetti.deviceplugin import cdispec
+from gpuppetti.deviceplugin.devicelists import DeviceLists
 from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.deviceplugin.server import DevicePluginService, too_big
 from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
@@ -64,7 +65,7 @@ class ResourceEndpoint:
 
     def __init__(
         self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics, cdi_kind: str = cdispec.KIND,
-        wake: asyncio.Event | None = None, enforcer: Enforcer | None = None,
+        wake: asyncio.Event | None = None, enforcer: Enforcer | None = None, lists: DeviceLists | None = None,
     ) -> None:
         self.resource = resource
         self.socket_name = socket_name(resource)
@@ -72,7 +73,7 @@ class ResourceEndpoint:
         # A ListAndWatch stream opening or ending wakes the supervisor: it is how a registration lives or dies.
         self.wake = wake or asyncio.Event()
         self.service = DevicePluginService(inventory, resource, metrics, cdi_kind, lambda count: self.wake.set(),
-                                           enforcer)
+                                           enforcer, lists)
         self._endpoint = UnixEndpoint(self.path, lambda server: server.add_generic_rpc_handlers(
             (self.service.handler(),)), STOP_GRACE_S)
         # Bumped on every (re)start: a new socket needs a new registration.
@@ -133,6 +134,7 @@ class DevicePluginManager:
         self.cdi_dir = cdi_dir
         self.cdi_kind = cdi_kind
         self.enforcer = enforcer
+        self.lists = DeviceLists()
         self._cdi_written: dict[str, object] | None = None
         self.kubelet_socket = directory / KUBELET_SOCKET
         self._resources: dict[str, _Supervised] = {}
@@ -149,7 +151,7 @@ class DevicePluginManager:
             return "no resource is being served yet"
         snapshot = self._inventory.snapshot
         for name in sorted(self._resources):
-            if (problem := too_big(name, len(snapshot.device_list(name)))) is not None:
+            if (problem := too_big(name, len(self.lists.of(snapshot, name)))) is not None:
                 return problem
         missing = sorted(f"{name} ({sup.why})" for name, sup in self._resources.items() if not sup.registered)
         return f"not registered with the kubelet: {', '.join(missing)}" if missing else None
@@ -217,9 +219,9 @@ class DevicePluginManager:
                 for name in sorted(wanted - self._resources.keys()):
                     wake = asyncio.Event()
                     endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics, self.cdi_kind,
-                                                wake, self.enforcer)
+                                                wake, self.enforcer, self.lists)
                     # The list is encoded before the kubelet asks for it: its first list costs a join.
-                    self._inventory.snapshot.device_list(name)
+                    self.lists.of(self._inventory.snapshot, name)
                     task = runtime.spawn(f"device-plugin {name}", self._supervise(endpoint, wake))
                     self._resources[name] = _Supervised(endpoint, wake, task)
                 for name in sorted(self._resources.keys() - wanted):

@@ -14,11 +14,11 @@ from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.core.model import Serves
 from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
+from gpuppetti.layer.vulkan import install_layer
 from gpuppetti.node.daemon import Serving, Sources, reload, start_inventory, where_looked
 from gpuppetti.node.httpserver import READY_NOTE, HttpServer
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.node.report import gpu_records, slice_records
-from gpuppetti.node.vulkanlayer import install_layer
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The five DevicePlugin RPCs for one extended resource, answered from the inventory's current snapshot.
 
-ListAndWatch sends the snapshot's encoded list as it is (bytes, not messages), so a list of 10,000 units costs a
-join. At most ``MAX_STREAMS`` ListAndWatch streams are kept per resource: the kubelet opens one, a new one ends the
-oldest (a kubelet that re-registers wins over a stream left behind), and a client that never reads holds at most
-one list in flight, never a queue.
+ListAndWatch sends the resource's encoded list (devicelists) as it is (bytes, not messages), so a list of 10,000
+units costs a join. At most ``MAX_STREAMS`` ListAndWatch streams are kept per resource: the kubelet opens one, a
+new one ends the oldest (a kubelet that re-registers wins over a stream left behind), and a client that never
+reads holds at most one list in flight, never a queue.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.core import cdi
 from gpuppetti.core.model import ContainerEdits, Health
 from gpuppetti.deviceplugin import cdispec
+from gpuppetti.deviceplugin.devicelists import DeviceLists
 from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.sharing.budgets import Enforce, unit_budgets
@@ -114,8 +115,11 @@ class DevicePluginService:
     """The RPCs of one resource. ``streams`` tells the endpoint how many kubelet streams are open."""
 
     def __init__(self, inventory: Inventory, resource: str, metrics: Metrics, cdi_kind: str = cdispec.KIND,
-                 on_streams: Callable[[int], None] | None = None, enforcer: Enforcer | None = None) -> None:
+                 on_streams: Callable[[int], None] | None = None, enforcer: Enforcer | None = None,
+                 lists: DeviceLists | None = None) -> None:
         self._inventory = inventory
+        # One per process, shared by every resource's service: the GPUs' encoded blocks are kept once.
+        self._lists = lists or DeviceLists()
         self._enforcer = enforcer
         self._resource = resource
         self._metrics = metrics
@@ -178,7 +182,7 @@ class DevicePluginService:
         try:
             while True:
                 snapshot = inventory.snapshot
-                current = snapshot.device_list(self._resource)
+                current = self._lists.of(snapshot, self._resource)
                 # Changes elsewhere in the inventory need not reach this resource's kubelet.
                 if current != last:
                     if (problem := too_big(self._resource, len(current))) is not None:

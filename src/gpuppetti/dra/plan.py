@@ -12,8 +12,8 @@ from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import ContainerEdits, Health
 from gpuppetti.dra import opaque
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice
+from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.inventory import Snapshot
-from gpuppetti.node.vulkanlayer import LayerDir
 from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
 from gpuppetti.sharing.limits import with_limits

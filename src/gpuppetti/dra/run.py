@@ -27,12 +27,12 @@ from gpuppetti.kit.draplugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService,
 from gpuppetti.kit.endpoint import UnixEndpoint
 from gpuppetti.kit.publisher import SlicePublisher
 from gpuppetti.kit.registration import PluginRegistration, serve_and_register
+from gpuppetti.layer.vulkan import install_layer
 from gpuppetti.node.daemon import Serving, Sources, reload, start_inventory
 from gpuppetti.node.httpserver import READY_NOTE, HttpServer
 from gpuppetti.node.kube import REQUEST_TIMEOUT_S, ConfigError, Kube, load_config
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.node.report import gpu_records, slice_records
-from gpuppetti.node.vulkanlayer import install_layer
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from gpuppetti.core import cdi
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
 from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice, named
-from gpuppetti.node.vulkanlayer import LayerDir
+from gpuppetti.layer.vulkan import LayerDir
 
 log = logging.getLogger(__name__)
 

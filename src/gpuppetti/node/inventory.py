@@ -1,10 +1,10 @@
 """The one shared state: a frozen snapshot of the node's GPUs, the config, and everything derived from them.
 
 The inventory publishes a new snapshot per change, and every reader uses the snapshot it holds: ListAndWatch,
-Allocate, DRA prepare, the slice publisher, the health stream, metrics, reports and the HTTP endpoint. Nothing
-derived is cached anywhere else. A health-only change keeps the plan and the pool (they do not depend on health)
-and re-encodes only the changed GPU's part of the device lists. Consumers never poll: they wait for the version to
-move past the one they last saw.
+Allocate, DRA prepare, the slice publisher, the health stream, metrics, reports and the HTTP endpoint. A
+health-only change keeps the plan and the pool (they do not depend on health). The snapshot holds no front end's
+wire format: each front end encodes what it serves (the device plugin its ListAndWatch lists, the DRA driver its
+ResourceSlices). Consumers never poll: they wait for the version to move past the one they last saw.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from gpuppetti.core.config import Config
 from gpuppetti.core.model import Gpu, Health, Serves
-from gpuppetti.node.devicelists import DeviceListEncoder
 from gpuppetti.sharing.pool import Pool, build_pool
 from gpuppetti.sharing.replicas import ResourcePlan, build_plan
 
@@ -32,17 +31,9 @@ class Snapshot:
     gpus: Mapping[str, Gpu]
     plan: Mapping[str, ResourcePlan]
     pool: Pool
-    _encoder: DeviceListEncoder = field(repr=False, compare=False)
-    _lists: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
 
     def resource(self, name: str) -> ResourcePlan | None:
         return self.plan.get(name)
-
-    def device_list(self, resource: str) -> bytes:
-        """The encoded ListAndWatchResponse for ``resource`` (empty when it is not advertised)."""
-        if not self._lists and self.plan:
-            self._lists.update(self._encoder.encode(self.plan, self.gpus))
-        return self._lists.get(resource, b"")
 
 
 def _same_but_health(new: Mapping[str, Gpu], old: Mapping[str, Gpu]) -> bool:
@@ -61,7 +52,6 @@ class Inventory:
     either would cost the other tens of milliseconds and megabytes for nothing); the other is then empty."""
 
     def __init__(self, config: Config, gpus: Iterable[Gpu], serves: Serves = Serves.BOTH) -> None:
-        self._encoder = DeviceListEncoder()
         self.serves = serves
         # Raises ConfigError before anything starts if the sharing section does not fit these GPUs.
         self._snapshot = self._build(0, config, {gpu.id: gpu for gpu in gpus}, None)
@@ -82,7 +72,7 @@ class Inventory:
                 pool = previous.pool
             else:
                 pool = build_pool(gpu_list, config.dra)
-        return Snapshot(version, config, MappingProxyType(gpus), plan, pool, self._encoder)
+        return Snapshot(version, config, MappingProxyType(gpus), plan, pool)
 
     @property
     def snapshot(self) -> Snapshot:

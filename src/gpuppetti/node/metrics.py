@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gpuppetti.layer.vulkan import SliceUse
 from gpuppetti.node.inventory import Inventory
-from gpuppetti.node.vulkanlayer import SliceUse
 from gpuppetti.sharing.limits import gpu_enforced_by
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

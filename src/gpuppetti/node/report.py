@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 from gpuppetti.base.quantity import format_bytes
 from gpuppetti.core.config import Config
 from gpuppetti.core.model import Gpu
+from gpuppetti.layer.vulkan import missing_files
 from gpuppetti.node.inventory import Snapshot
 from gpuppetti.node.metrics import SLICE_LABELS, SliceUses
-from gpuppetti.node.vulkanlayer import missing_files
 from gpuppetti.sharing.limits import gpu_enforced_by
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from gpuppetti.sharing.budgets import Budget
 ENFORCED_BY_ENV = "GPUPPETTI_ENFORCED_BY"
 NVIDIA_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
 NVIDIA_HOOK_COMMAND = "apply-cuda-memory-limits"
-# The program the daemon installs beside the Vulkan layer (node/dmem_hook.py), and what it reads.
+# The program the daemon installs beside the Vulkan layer (layer/dmem_hook.py), and what it reads.
 DMEM_HOOK = "gpuppetti-dmem-hook"
 DMEM_ENV = "GPUPPETTI_DMEM_MAX"
 # Where the hook finds the cgroup tree: a daemon started with it set passes it on (a stand-in tree, for tests).

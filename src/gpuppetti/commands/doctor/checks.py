@@ -23,9 +23,7 @@ from gpuppetti.commands.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.core.config import ConfigError
 from gpuppetti.discovery import BackendUnavailable
 from gpuppetti.hostagent.client import AgentError
-from gpuppetti.node.daemon import Discovered, Sources, host_agent, load_and_discover, nothing_found
-from gpuppetti.node.inventory import Inventory
-from gpuppetti.node.vulkanlayer import (
+from gpuppetti.layer.vulkan import (
     BUILD_FIX,
     BUILT,
     LIBRARY,
@@ -35,6 +33,8 @@ from gpuppetti.node.vulkanlayer import (
     missing_files,
     not_built,
 )
+from gpuppetti.node.daemon import Discovered, Sources, host_agent, load_and_discover, nothing_found
+from gpuppetti.node.inventory import Inventory
 from gpuppetti.sharing.remarks import config_remarks
 
 SOCKET_TIMEOUT_S = 2.0

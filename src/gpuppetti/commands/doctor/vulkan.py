@@ -20,7 +20,7 @@ from typing import Any
 from gpuppetti.base.processes import run_within
 from gpuppetti.commands.doctor.result import Result, ok, skip, warn
 from gpuppetti.core.model import Gpu, Vendor
-from gpuppetti.node.vulkanlayer import BUILT, DISABLE_ENV, PROBE
+from gpuppetti.layer.vulkan import BUILT, DISABLE_ENV, PROBE
 
 CHECK = "Vulkan driver"
 # Creating a Vulkan instance loads every installed driver: seconds in an emulated VM.
