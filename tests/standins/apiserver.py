@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import json
 import logging
 import secrets
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -128,6 +129,9 @@ class ApiStandIn:
     requests: list[tuple[str, str]] = field(default_factory=list)
     _rv: int = 0
     _history: list[_Event] = field(default_factory=list)
+    # Paged lists in progress, by their continue token's first part.
+    _listings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    _listing_serials: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     _runner: web.AppRunner | None = None
     _closing: bool = False
@@ -380,19 +384,32 @@ class ApiStandIn:
         return _selector_matches(obj, labels, True) and _selector_matches(obj, fields, False)
 
     def _list(self, request: web.Request, kind: Kind, namespace: str) -> dict[str, Any]:
-        items = [obj for (plural, ns, _), obj in sorted(self.objects.items())
-                 if self._matches(request, kind, namespace, plural, ns, obj)]
         metadata: dict[str, Any] = {"resourceVersion": str(self._rv)}
-        # Pages, as the API server gives them: ``limit`` items, and a ``continue`` token for the rest (here an
-        # offset; the real one is opaque too).
+        # Pages, as the API server gives them: ``limit`` items, and a ``continue`` token for the rest. The token
+        # pins the list as its first page found it (the real one pins a resourceVersion), so a list of N pages
+        # filters the store once, as a paged read of etcd costs by the page, not N times.
+        token = request.query.get("continue") or ""
+        listing, _, offset = token.partition(":")
         try:
-            start = int(request.query.get("continue") or 0)
+            start = int(offset or 0)
             limit = int(request.query.get("limit") or 0)
         except ValueError:
             raise ApiError(400, "BadRequest", "invalid limit or continue") from None
+        if token:
+            items = self._listings.get(listing)
+            if items is None:
+                raise ApiError(410, "Expired", "the continue token is too old; list again")
+        else:
+            items = [obj for (plural, ns, _), obj in sorted(self.objects.items())
+                     if self._matches(request, kind, namespace, plural, ns, obj)]
         if limit > 0:
             if start + limit < len(items):
-                metadata["continue"] = str(start + limit)
+                if not listing:
+                    listing = str(next(self._listing_serials))
+                    self._listings[listing] = items
+                    while len(self._listings) > 16:  # the oldest expire, as the API server's do
+                        del self._listings[next(iter(self._listings))]
+                metadata["continue"] = f"{listing}:{start + limit}"
                 metadata["remainingItemCount"] = len(items) - start - limit
             items = items[start:start + limit]
         return {"apiVersion": kind.api_version, "kind": f"{kind.kind}List", "metadata": metadata, "items": items}
