@@ -124,6 +124,24 @@ async def test_a_list_comes_in_pages_and_the_driver_keeps_only_the_claims_it_nam
     assert found["c0"].metadata.namespace == "ns"
 
 
+async def test_an_answer_that_is_not_a_claim_is_one_api_error_naming_where(api: Api, tmp_path: Path) -> None:
+    standin, _ = api
+    await standin.create("resourceclaims", {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                            "metadata": {"name": "odd", "namespace": "ns"}}, "ns")
+    # As a broken proxy or a newer server might answer: a field of the wrong type.
+    standin.objects[("resourceclaims", "ns", "odd")]["status"] = {"allocation": {"devices": {"results": [
+        {"device": 7}]}}}
+    driver_api = kube.Kube(load_config(tmp_path / "kubeconfig"))
+    try:
+        with pytest.raises(kube.ApiError) as raised:
+            await driver_api.get_claim("ns", "odd")
+    finally:
+        await driver_api.close()
+    message = str(raised.value)
+    assert message.startswith("reading ResourceClaim ns/odd: the answer is not what was asked for"), message
+    assert "$.status.allocation.devices.results[0].device" in message, message
+
+
 async def test_too_old_resource_version_is_gone(api: Api) -> None:
     standin, client = api
     from tests.standins import apiserver

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gpuppetti.core import cdi
-from gpuppetti.core.kubeobjects import ResourceClaim
+from gpuppetti.core.kubeobjects import ResourceClaim, from_api
 from gpuppetti.core.model import Health
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.plan import PrepareError, layer_allocation, plan_claim
@@ -42,10 +42,10 @@ def _claim(*results: dict[str, Any], uid: str = UID, config: list[dict[str, Any]
         status["allocation"] = {"devices": {
             "results": [{"driver": DRIVER, "pool": NODE, "request": "gpu", **r} for r in results],
             "config": config or []}}
-    return ResourceClaim.model_validate({
+    return from_api({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": "c", "namespace": "default", "uid": uid},
-        "spec": {"devices": {"requests": []}}, "status": status})
+        "spec": {"devices": {"requests": []}}, "status": status}, ResourceClaim)
 
 
 def _plan(claim: ResourceClaim, snapshot: Snapshot, layer: LayerDir | None = None) -> Any:

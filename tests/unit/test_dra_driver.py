@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuppetti.base.backoff import Backoff
-from gpuppetti.core.kubeobjects import ResourceClaim
+from gpuppetti.core.kubeobjects import ResourceClaim, from_api
 from gpuppetti.core.model import Serves
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.checkpoint import Checkpoint
@@ -78,12 +78,12 @@ class _Claims:
 
 
 def _allocated(n: int) -> ResourceClaim:
-    return ResourceClaim.model_validate({
+    return from_api({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": f"c{n}", "namespace": "default", "uid": f"3f2a1b0c-0000-4000-8000-{n:012d}"},
         "spec": {"devices": {"requests": []}},
         "status": {"allocation": {"devices": {"results": [
-            {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": f"gpu-apple-{n}"}]}}}})
+            {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": f"gpu-apple-{n}"}]}}}}, ResourceClaim)
 
 
 async def test_a_list_that_breaks_keeps_what_it_read_and_the_rest_are_read_one_by_one(tmp_path: Path) -> None:
@@ -113,13 +113,13 @@ dra: {slicing: partitions, partitions: [4]}
 
 
 def _partition(n: int) -> ResourceClaim:
-    return ResourceClaim.model_validate({
+    return from_api({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": f"c{n}", "namespace": "default", "uid": f"3f2a1b0c-0000-4000-8000-{n:012d}"},
         "spec": {"devices": {"requests": []}},
         "status": {"allocation": {"devices": {"results": [
             {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": f"gpu-apple-{n}", "shareID": "p1",
-             "consumedCapacity": {"memory": "12Gi"}}]}}}})
+             "consumedCapacity": {"memory": "12Gi"}}]}}}}, ResourceClaim)
 
 
 def _layered_driver(tmp_path: Path) -> tuple[GpuDriver, LayerDir, list[ClaimRef]]:

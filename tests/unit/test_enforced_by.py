@@ -203,16 +203,16 @@ def test_discover_records_the_resource_slice_attribute_and_metrics_say_what_hold
 
 def test_a_consumable_claim_of_an_nvidia_slice_gets_the_limit_and_the_toolkits_hook_in_its_cdi_spec(
         tmp_path: Path) -> None:
-    from gpuppetti.core.kubeobjects import ResourceClaim
+    from gpuppetti.core.kubeobjects import ResourceClaim, from_api
 
     uid = "3f2a1b0c-0000-4000-8000-00000000c1a1"
-    claim = ResourceClaim.model_validate({
+    claim = from_api({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": "c", "namespace": "default", "uid": uid},
         "spec": {"devices": {"requests": []}},
         "status": {"allocation": {"devices": {"results": [
             {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": "gpu-nvidia-0", "shareID": "s1",
-             "consumedCapacity": {"memory": "8Gi"}}], "config": []}}}})
+             "consumedCapacity": {"memory": "8Gi"}}], "config": []}}}}, ResourceClaim)
     plan = plan_claim(ClaimRef("default", uid, "c"), claim, _inventory().snapshot, NODE, cdi.DEFAULT_KIND,
                       LayerDir(tmp_path / "vulkan"))
     [device] = plan.spec["devices"]

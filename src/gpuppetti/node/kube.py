@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx2
+import msgspec
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core import exceptions as lightkube_errors
@@ -24,9 +25,8 @@ from lightkube.generic_resource import create_global_resource, create_namespaced
 from lightkube.operators import BinaryOperator, SequenceOperator
 from lightkube.resources.core_v1 import Node as _Node
 from lightkube.types import PatchType
-from pydantic import ValidationError
 
-from gpuppetti.core.kubeobjects import Node, ResourceClaim, ResourceSlice, ResourceSliceBody
+from gpuppetti.core.kubeobjects import Node, ResourceClaim, ResourceSlice, ResourceSliceBody, from_api
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,8 @@ def _error(exc: BaseException, what: str, timeout: float) -> ApiError:
         return kind(f"{what}: {status} {exc.response.reason_phrase}", status)
     if isinstance(exc, httpx2.TimeoutException | TimeoutError):
         return ApiError(f"{what}: no answer within {timeout:g}s")
-    if isinstance(exc, ValidationError):
-        return ApiError(f"{what}: the answer is not what was asked for ({exc.error_count()} error(s): "
-                        f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']})")
+    if isinstance(exc, msgspec.ValidationError):
+        return ApiError(f"{what}: the answer is not what was asked for ({exc})")
     return ApiError(f"{what}: {exc or type(exc).__name__}")
 
 
@@ -182,14 +181,14 @@ class Kube:
     async def _call(self, what: str, call: Awaitable[T]) -> T:
         try:
             return await call
-        except FAILURES as exc:  # a ValidationError is a ValueError: an answer that is not what it says
+        except FAILURES as exc:  # msgspec.ValidationError is a ValueError: an answer that is not what it says
             raise _error(exc, what, self._timeout) from None
 
     async def _typed(self, what: str, call: Awaitable[Any], kind: type[T]) -> T:
         found = await self._call(what, call)
         try:
-            return kind.model_validate(_as_dict(found))  # type: ignore[attr-defined,no-any-return]
-        except (ValidationError, AttributeError, TypeError, ValueError) as exc:
+            return from_api(_as_dict(found), kind)
+        except (AttributeError, TypeError, ValueError) as exc:  # msgspec.ValidationError is a ValueError
             raise _error(exc, what, self._timeout) from None
 
     async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
@@ -204,8 +203,8 @@ class Kube:
         try:
             async for item in self._client.list(_Claim, namespace=namespace, chunk_size=LIST_PAGE):
                 if getattr(item.metadata, "name", None) in names:
-                    yield ResourceClaim.model_validate(_as_dict(item))
-        except FAILURES as exc:  # a ValidationError is a ValueError: an answer that is not what it says
+                    yield from_api(_as_dict(item), ResourceClaim)
+        except FAILURES as exc:  # msgspec.ValidationError is a ValueError: an answer that is not what it says
             raise _error(exc, f"listing the ResourceClaims of namespace {namespace}", self._timeout) from None
 
     async def node_uid(self, node: str) -> str:
@@ -226,7 +225,7 @@ class Kube:
     async def list_slices(self, node: str, driver: str) -> list[ResourceSlice]:
         """The ResourceSlices of ``driver`` on ``node``."""
         async def listed() -> list[ResourceSlice]:
-            return [ResourceSlice.model_validate(_as_dict(item))
+            return [from_api(_as_dict(item), ResourceSlice)
                     async for item in self._client.list(_Slice, fields=_fields(node, driver))]
 
         return await self._call("listing ResourceSlices", listed())
