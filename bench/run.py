@@ -28,6 +28,9 @@ from prometheus_client import generate_latest
 from rich.console import Console, RenderableType
 from rich.text import Text
 
+from bench.figures import Figure as Figure  # as before: others import it from here
+from bench.llama_cpp import ROUNDS as LLAMA_ROUNDS
+from bench.llama_cpp import bench_llama_cpp
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.base.quantity import parse_bytes
 from gpuppetti.base.tables import Column, Prose, print_table
@@ -53,16 +56,6 @@ PLUGIN_SIZES = (10, 100, 1000, 10000, 50000)
 APPLE = "apple.com/gpu"
 NODE = "bench-node"
 DRIVER = "gpu.gpuppetti.dev"
-
-
-@dataclass
-class Figure:
-    name: str
-    value: float | None
-    unit: str
-    goal: str = "report"
-    met: bool | None = None
-    detail: str = ""
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -649,6 +642,7 @@ async def main_async(args: argparse.Namespace) -> list[Figure]:
         ("DRA", lambda: bench_dra(workdir, figures)),
         ("Vulkan layer", lambda: bench_vulkan_layer(workdir, figures)),
         ("slice metrics", lambda: bench_slice_metrics(workdir, figures)),
+        ("llama.cpp", lambda: bench_llama_cpp(workdir, args.llama_rounds, figures)),
     ]
     try:
         if not args.only:
@@ -670,6 +664,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=2000, help="Allocate calls per size (default 2000)")
     parser.add_argument("--only", nargs="*", default=[], metavar="WORD",
                         help="run only the steps whose label has one of these words (plugin, units, DRA, ...)")
+    parser.add_argument("--llama-rounds", type=int, default=LLAMA_ROUNDS,
+                        help=f"rounds of llama.cpp with and without a slice (default {LLAMA_ROUNDS}, about 15 s each)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     figures = asyncio.run(main_async(args))

@@ -17,7 +17,7 @@ import json
 import re
 import shlex
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +73,12 @@ class Models:
     large: Path
 
 
+def write_model(python: Path, path: Path, shape: Sequence[str], seed: int) -> None:
+    """A llama model of random weights of ``shape`` at ``path``, written by tiny_llama.py with the cache venv's
+    ``python`` (the bench writes the small one too)."""
+    subprocess.run([str(python), str(WRITER), str(path), *shape, "--seed", str(seed)], check=True, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def llama(venv_python: Path) -> Llama:
     can_run()
@@ -87,8 +93,8 @@ def llama(venv_python: Path) -> Llama:
 def models(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Models:
     directory = tmp_path_factory.mktemp("models")
     written = Models(directory / "small.gguf", directory / "large.gguf")
-    for path, shape, seed in ((written.small, SMALL, "1"), (written.large, LARGE, "2")):
-        subprocess.run([str(venv_python), str(WRITER), str(path), *shape, "--seed", seed], check=True, timeout=120)
+    for path, shape, seed in ((written.small, SMALL, 1), (written.large, LARGE, 2)):
+        write_model(venv_python, path, shape, seed)
     assert written.small.stat().st_size < SLICE // 4
     assert written.large.stat().st_size > SLICE + 16 * MIB
     return written
