@@ -74,8 +74,15 @@ def _is_component(value: object) -> bool:
     return isinstance(value, str) and _COMPONENT.fullmatch(value) is not None and ".." not in value
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
+    # Once per type: a save of a thousand claims asks a thousand times, and dataclasses.fields builds it anew.
+    names = _FIELD_NAMES.get(kind)
+    if names is None:
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    return names
 
 
 def _body(record: ClaimRecord) -> dict[str, Any]:
