@@ -51,6 +51,10 @@ def _semver(version: str) -> str:
 ENFORCED_BY = "enforcedBy"
 
 
+# The driver's version as the API's version attribute takes it; the same on every device.
+_DRIVER_VERSION: Attribute = {"version": _semver(__version__)}
+
+
 def _attributes(gpu: Gpu, layer: bool) -> dict[str, Attribute]:
     attributes: dict[str, Attribute] = {
         "vendor": {"string": gpu.vendor.value},
@@ -58,7 +62,7 @@ def _attributes(gpu: Gpu, layer: bool) -> dict[str, Attribute]:
         "uuid": {"string": (gpu.uuid or gpu.id)[:MAX_STRING]},
         "index": {"int": gpu.index},
         "backend": {"string": gpu.backend},
-        "driverVersion": {"version": _semver(__version__)},
+        "driverVersion": _DRIVER_VERSION,
         ENFORCED_BY: {"string": gpu_enforced_by(gpu, layer)},
     }
     if gpu.cores is not None:
