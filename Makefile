@@ -62,7 +62,7 @@ test: lint typecheck native
 	[ $$serial -eq 0 ] && [ $$venus_status -eq 0 ]
 
 unit: $(STAMP) native
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests/unit
 
 e2e: $(STAMP) native
 	$(BIN)/python -m pytest tests/e2e
