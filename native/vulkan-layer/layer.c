@@ -8,7 +8,7 @@
  *   VK_ERROR_OUT_OF_DEVICE_MEMORY once the container's processes together would pass the budget.
  *
  * - With a compute share (dutycycle.h), vkQueueSubmit and vkQueueSubmit2 wait while the slice has used more than
- *   its share of the GPU's time.
+ *   its share of the GPU's time, or while the process has more of it queued, not yet charged, than the share bounds.
  *
  * What counts: on a discrete GPU, the device-local heaps (VRAM, and a resizable-BAR heap beside it); on an
  * integrated GPU, a CPU (lavapipe) or a virtual GPU (Venus), where every heap is the same memory, all of them.
@@ -1001,11 +1001,11 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_QueueSubmit(VkQueue queue, uint32_t 
     if (device->duty == NULL || count == 0) {
         return device->QueueSubmit(queue, count, submits, fence);
     }
-    duty_wait(device->duty);
+    int64_t released = duty_wait(device->duty);
     int64_t submitted = duty_now();
     VkResult result = device->QueueSubmit(queue, count, submits, fence);
     if (result == VK_SUCCESS) {
-        duty_track(device->duty, queue, submitted);
+        duty_track(device->duty, queue, submitted, released);
     }
     return result;
 }
@@ -1023,11 +1023,11 @@ static VkResult submit2(VkQueue queue, uint32_t count, const VkSubmitInfo2 *subm
     if (device->duty == NULL || count == 0) {
         return next(queue, count, submits, fence);
     }
-    duty_wait(device->duty);
+    int64_t released = duty_wait(device->duty);
     int64_t submitted = duty_now();
     VkResult result = next(queue, count, submits, fence);
     if (result == VK_SUCCESS) {
-        duty_track(device->duty, queue, submitted);
+        duty_track(device->duty, queue, submitted, released);
     }
     return result;
 }

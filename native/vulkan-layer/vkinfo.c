@@ -14,6 +14,9 @@
  *                    [--fill MIB]         of MIB (default 64)
  *                    [--in-flight N]      with N batches queued at once (default 1), and print the batches done
  *                                         and the GPU time they took (from timestamps written around each fill)
+ *   gpuppetti-vkinfo --queue N            submit N such batches at once without waiting for any [--fill MIB], then
+ *                                         one more once they have run: print their GPU time, the wall time they
+ *                                         took, and how long that next submit waited
  *
  * It is shipped with the layer and mounted into every container that gets a slice. Exit codes: 0, 1 when Vulkan
  * cannot be used here, 2 for a bad option.
@@ -46,11 +49,12 @@ struct options {
     long busy_seconds;
     long fill_mib;
     int in_flight;
+    long queue;
 };
 
 static const char help[] =
     "usage: gpuppetti-vkinfo [--json] [--allocate MIB [--limit MIB] [--threads N] [--hold SECONDS]]\n"
-    "                        [--bench N] [--busy SECONDS [--fill MIB] [--in-flight N]]\n"
+    "                        [--bench N] [--busy SECONDS [--fill MIB] [--in-flight N]] [--queue N [--fill MIB]]\n"
     "\n"
     "What this process sees of its GPUs through Vulkan (devices, heaps, budgets, whether gpuppetti's layer is\n"
     "loaded), and what it can obtain.\n"
@@ -64,6 +68,8 @@ static const char help[] =
     "  --busy SECONDS      keep the first device busy that long, and print the batches done and their GPU time\n"
     "  --fill MIB          ... filling a buffer of MIB (default 64)\n"
     "  --in-flight N       ... with N batches queued at once (default 1)\n"
+    "  --queue N           submit N batches of buffer fills at once without waiting, then one more once they have\n"
+    "                      run: print their GPU time, the wall time they took and how long that submit waited\n"
     "  -h, --help          show this help\n"
     "\n"
     "Exit codes: 0, 1 when Vulkan cannot be used here, 2 for a bad option.\n";
@@ -71,7 +77,8 @@ static const char help[] =
 static int usage(const char *problem)
 {
     fprintf(stderr, "gpuppetti-vkinfo: %s (options: --json, --allocate MIB [--limit MIB] [--threads N] "
-                    "[--hold SECONDS], --bench N, --busy SECONDS [--fill MIB] [--in-flight N])\n", problem);
+                    "[--hold SECONDS], --bench N, --busy SECONDS [--fill MIB] [--in-flight N], "
+                    "--queue N [--fill MIB])\n", problem);
     return 2;
 }
 
@@ -557,126 +564,254 @@ static int bench(const struct options *options, VkPhysicalDevice physical)
 /* -- GPU time: batches of work, to see a compute share hold ------------------------------------------------- */
 
 #define MAX_IN_FLIGHT 128
+#define MAX_QUEUED 65536
 
-static int busy(const struct options *options, VkPhysicalDevice physical)
-{
-    VkDevice device = make_device(physical);
-    if (device == VK_NULL_HANDLE) {
-        fprintf(stderr, "gpuppetti-vkinfo: vkCreateDevice failed\n");
-        return 1;
-    }
+/* Batches that each fill a buffer, with a timestamp written before and after the fill. Each batch's command buffer
+ * also copies its two timestamps into memory the host reads once the batch's fence has signalled: reading them
+ * with vkGetQueryPoolResults would not do, since lavapipe's waits for the whole device and so would keep no more
+ * than one batch in flight. */
+struct batches {
+    VkDevice device;
     VkQueue queue;
-    vkGetDeviceQueue(device, 0, 0, &queue);
-    VkDeviceSize size = (VkDeviceSize)options->fill_mib << 20;
-    VkBufferCreateInfo buffer_info = {.sType = VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, .size = size,
-                                      .usage = VK_BUFFER_USAGE_TRANSFER_DST_BIT};
-    VkBuffer buffer;
-    if (vkCreateBuffer(device, &buffer_info, NULL, &buffer) != VK_SUCCESS) {
+    VkDeviceSize size;
+    int count;
+    VkBuffer buffer, stamps;
+    VkDeviceMemory memory, stamps_memory;
+    volatile uint64_t *stamp;  /* two per batch, mapped */
+    VkCommandPool pool;
+    VkCommandBuffer *commands;
+    VkQueryPool queries;
+    double period;             /* ns per timestamp tick */
+};
+
+static uint32_t memory_type_with(VkPhysicalDevice physical, uint32_t allowed, VkMemoryPropertyFlags flags)
+{
+    VkPhysicalDeviceMemoryProperties properties;
+    vkGetPhysicalDeviceMemoryProperties(physical, &properties);
+    for (uint32_t type = 0; type < properties.memoryTypeCount; type++) {
+        if ((allowed & (1u << type)) && (properties.memoryTypes[type].propertyFlags & flags) == flags) {
+            return type;
+        }
+    }
+    return UINT32_MAX;
+}
+
+static bool buffer_with_memory(struct batches *work, VkPhysicalDevice physical, VkDeviceSize size,
+                               VkMemoryPropertyFlags flags, VkBuffer *buffer, VkDeviceMemory *memory)
+{
+    VkBufferCreateInfo info = {.sType = VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, .size = size,
+                               .usage = VK_BUFFER_USAGE_TRANSFER_DST_BIT};
+    if (vkCreateBuffer(work->device, &info, NULL, buffer) != VK_SUCCESS) {
         fprintf(stderr, "gpuppetti-vkinfo: vkCreateBuffer failed\n");
-        return 1;
+        return false;
     }
     VkMemoryRequirements needs;
-    vkGetBufferMemoryRequirements(device, buffer, &needs);
-    VkPhysicalDeviceMemoryProperties memory_properties;
-    vkGetPhysicalDeviceMemoryProperties(physical, &memory_properties);
-    uint32_t type = 0;
-    while (type < memory_properties.memoryTypeCount && !(needs.memoryTypeBits & (1u << type))) {
-        type++;
+    vkGetBufferMemoryRequirements(work->device, *buffer, &needs);
+    uint32_t type = memory_type_with(physical, needs.memoryTypeBits, flags);
+    if (type == UINT32_MAX) {
+        fprintf(stderr, "gpuppetti-vkinfo: no memory type for a buffer of %llu bytes\n", (unsigned long long)size);
+        return false;
     }
     VkMemoryAllocateInfo allocation = {.sType = VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO,
                                        .allocationSize = needs.size, .memoryTypeIndex = type};
-    VkDeviceMemory memory;
-    VkResult result = vkAllocateMemory(device, &allocation, NULL, &memory);
+    VkResult result = vkAllocateMemory(work->device, &allocation, NULL, memory);
     if (result != VK_SUCCESS) {
-        fprintf(stderr, "gpuppetti-vkinfo: vkAllocateMemory of %lld MiB: %s\n", (long long)options->fill_mib,
+        fprintf(stderr, "gpuppetti-vkinfo: vkAllocateMemory of %llu bytes: %s\n", (unsigned long long)needs.size,
                 result_name(result));
-        return 1;
+        return false;
     }
-    vkBindBufferMemory(device, buffer, memory, 0);
+    vkBindBufferMemory(work->device, *buffer, *memory, 0);
+    return true;
+}
+
+static bool batches_make(struct batches *work, VkPhysicalDevice physical, long fill_mib, int count)
+{
+    memset(work, 0, sizeof *work);
+    work->device = make_device(physical);
+    if (work->device == VK_NULL_HANDLE) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkCreateDevice failed\n");
+        return false;
+    }
+    vkGetDeviceQueue(work->device, 0, 0, &work->queue);
+    work->size = (VkDeviceSize)fill_mib << 20;
+    work->count = count;
+    if (!buffer_with_memory(work, physical, work->size, 0, &work->buffer, &work->memory) ||
+        !buffer_with_memory(work, physical, 16 * (VkDeviceSize)count,
+                            VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+                            &work->stamps, &work->stamps_memory)) {
+        return false;
+    }
+    void *mapped = NULL;
+    if (vkMapMemory(work->device, work->stamps_memory, 0, VK_WHOLE_SIZE, 0, &mapped) != VK_SUCCESS) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkMapMemory failed\n");
+        return false;
+    }
+    work->stamp = mapped;
     VkCommandPoolCreateInfo pool_info = {.sType = VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, .queueFamilyIndex = 0};
-    VkCommandPool pool;
-    vkCreateCommandPool(device, &pool_info, NULL, &pool);
-    int slots = options->in_flight;
+    vkCreateCommandPool(work->device, &pool_info, NULL, &work->pool);
+    work->commands = calloc((size_t)count, sizeof *work->commands);
     VkCommandBufferAllocateInfo command_info = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
-                                                .commandPool = pool, .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
-                                                .commandBufferCount = (uint32_t)slots};
-    VkCommandBuffer commands[MAX_IN_FLIGHT];
-    vkAllocateCommandBuffers(device, &command_info, commands);
-    /* Each slot's batch writes a timestamp before and after its fill, in queries of its own. */
+                                                .commandPool = work->pool, .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+                                                .commandBufferCount = (uint32_t)count};
+    if (work->commands == NULL || vkAllocateCommandBuffers(work->device, &command_info, work->commands) != VK_SUCCESS) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkAllocateCommandBuffers of %d failed\n", count);
+        return false;
+    }
     VkQueryPoolCreateInfo query_info = {.sType = VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
-                                        .queryType = VK_QUERY_TYPE_TIMESTAMP, .queryCount = 2 * (uint32_t)slots};
-    VkQueryPool queries;
-    if (vkCreateQueryPool(device, &query_info, NULL, &queries) != VK_SUCCESS) {
+                                        .queryType = VK_QUERY_TYPE_TIMESTAMP, .queryCount = 2 * (uint32_t)count};
+    if (vkCreateQueryPool(work->device, &query_info, NULL, &work->queries) != VK_SUCCESS) {
         fprintf(stderr, "gpuppetti-vkinfo: vkCreateQueryPool failed\n");
-        return 1;
+        return false;
     }
     VkPhysicalDeviceProperties properties;
     vkGetPhysicalDeviceProperties(physical, &properties);
-    for (int i = 0; i < slots; i++) {
+    work->period = (double)properties.limits.timestampPeriod;
+    for (int i = 0; i < count; i++) {
+        VkCommandBuffer commands = work->commands[i];
+        uint32_t first = 2 * (uint32_t)i;
         VkCommandBufferBeginInfo begin = {.sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO};
-        vkBeginCommandBuffer(commands[i], &begin);
-        vkCmdResetQueryPool(commands[i], queries, 2 * (uint32_t)i, 2);
-        vkCmdWriteTimestamp(commands[i], VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, queries, 2 * (uint32_t)i);
-        vkCmdFillBuffer(commands[i], buffer, 0, VK_WHOLE_SIZE, 0x5a5a5a5a);
-        vkCmdWriteTimestamp(commands[i], VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, queries, 2 * (uint32_t)i + 1);
-        vkEndCommandBuffer(commands[i]);
+        vkBeginCommandBuffer(commands, &begin);
+        vkCmdResetQueryPool(commands, work->queries, first, 2);
+        vkCmdWriteTimestamp(commands, VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, work->queries, first);
+        vkCmdFillBuffer(commands, work->buffer, 0, VK_WHOLE_SIZE, 0x5a5a5a5a);
+        vkCmdWriteTimestamp(commands, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, work->queries, first + 1);
+        vkCmdCopyQueryPoolResults(commands, work->queries, first, 2, work->stamps, 16 * (VkDeviceSize)i, 8,
+                                  VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT);
+        VkMemoryBarrier visible = {.sType = VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                   .srcAccessMask = VK_ACCESS_TRANSFER_WRITE_BIT,
+                                   .dstAccessMask = VK_ACCESS_HOST_READ_BIT};
+        vkCmdPipelineBarrier(commands, VK_PIPELINE_STAGE_TRANSFER_BIT, VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &visible, 0,
+                             NULL, 0, NULL);
+        vkEndCommandBuffer(commands);
     }
+    return true;
+}
 
+/* Batch i's GPU time (ns), once it has run; 0 where its timestamps do not say. */
+static double batch_ns(const struct batches *work, int i)
+{
+    uint64_t start = work->stamp[2 * i], end = work->stamp[2 * i + 1];
+    return end > start ? (double)(end - start) * work->period : 0.0;
+}
+
+static VkResult submit_batch(const struct batches *work, int i, VkFence fence)
+{
+    VkSubmitInfo submit = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1,
+                           .pCommandBuffers = &work->commands[i]};
+    return vkQueueSubmit(work->queue, 1, &submit, fence);
+}
+
+static void batches_free(struct batches *work)
+{
+    if (work->device == VK_NULL_HANDLE) {
+        return;
+    }
+    vkDeviceWaitIdle(work->device);
+    if (work->queries != VK_NULL_HANDLE) vkDestroyQueryPool(work->device, work->queries, NULL);
+    if (work->pool != VK_NULL_HANDLE) vkDestroyCommandPool(work->device, work->pool, NULL);
+    free(work->commands);
+    if (work->buffer != VK_NULL_HANDLE) vkDestroyBuffer(work->device, work->buffer, NULL);
+    if (work->memory != VK_NULL_HANDLE) vkFreeMemory(work->device, work->memory, NULL);
+    if (work->stamps != VK_NULL_HANDLE) vkDestroyBuffer(work->device, work->stamps, NULL);
+    if (work->stamps_memory != VK_NULL_HANDLE) vkFreeMemory(work->device, work->stamps_memory, NULL);
+    vkDestroyDevice(work->device, NULL);
+}
+
+/* --busy: batches for that long, N in flight, each submitted once the one N before it is done. */
+static int busy(const struct options *options, VkPhysicalDevice physical)
+{
+    struct batches work;
+    if (!batches_make(&work, physical, options->fill_mib, options->in_flight)) {
+        batches_free(&work);
+        return 1;
+    }
     VkFence fences[MAX_IN_FLIGHT];
     bool pending[MAX_IN_FLIGHT] = {false};
     VkFenceCreateInfo fence_info = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
     for (int i = 0; i < options->in_flight; i++) {
-        vkCreateFence(device, &fence_info, NULL, &fences[i]);
+        vkCreateFence(work.device, &fence_info, NULL, &fences[i]);
     }
     double began = now_ns(), until = began + (double)options->busy_seconds * 1e9;
     double gpu_ns = 0;
     long done = 0;
     int slot = 0;
+    int code = 0;
     while (now_ns() < until) {
         if (pending[slot]) {
-            vkWaitForFences(device, 1, &fences[slot], VK_TRUE, UINT64_MAX);
-            vkResetFences(device, 1, &fences[slot]);
-            uint64_t stamps[2];
-            if (vkGetQueryPoolResults(device, queries, 2 * (uint32_t)slot, 2, sizeof stamps, stamps, sizeof stamps[0],
-                                      VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT) == VK_SUCCESS &&
-                stamps[1] > stamps[0]) {
-                gpu_ns += (double)(stamps[1] - stamps[0]) * (double)properties.limits.timestampPeriod;
-            }
+            vkWaitForFences(work.device, 1, &fences[slot], VK_TRUE, UINT64_MAX);
+            vkResetFences(work.device, 1, &fences[slot]);
+            gpu_ns += batch_ns(&work, slot);
             done++;
         }
-        VkSubmitInfo submit = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1,
-                               .pCommandBuffers = &commands[slot]};
-        result = vkQueueSubmit(queue, 1, &submit, fences[slot]);
+        VkResult result = submit_batch(&work, slot, fences[slot]);
         if (result != VK_SUCCESS) {
             fprintf(stderr, "gpuppetti-vkinfo: vkQueueSubmit: %s\n", result_name(result));
-            return 1;
+            code = 1;
+            break;
         }
         pending[slot] = true;
         slot = (slot + 1) % options->in_flight;
     }
     /* The batches still queued count too, and the time they take to run: with many in flight, most of the work. */
-    vkDeviceWaitIdle(device);
+    vkDeviceWaitIdle(work.device);
     double ended = now_ns();
     for (int i = 0; i < options->in_flight; i++) {
-        uint64_t stamps[2];
-        if (pending[i] && vkGetQueryPoolResults(device, queries, 2 * (uint32_t)i, 2, sizeof stamps, stamps,
-                                                sizeof stamps[0], VK_QUERY_RESULT_64_BIT) == VK_SUCCESS &&
-            stamps[1] > stamps[0]) {
-            gpu_ns += (double)(stamps[1] - stamps[0]) * (double)properties.limits.timestampPeriod;
+        if (pending[i] && vkGetFenceStatus(work.device, fences[i]) == VK_SUCCESS) {
+            gpu_ns += batch_ns(&work, i);
             done++;
         }
     }
-    printf("{\"busy\": {\"seconds\": %.3f, \"batches\": %ld, \"gpu_seconds\": %.3f, \"fill\": %llu, "
-           "\"in_flight\": %d}}\n", (ended - began) / 1e9, done, gpu_ns / 1e9, (unsigned long long)size,
-           options->in_flight);
-    for (int i = 0; i < options->in_flight; i++) {
-        vkDestroyFence(device, fences[i], NULL);
+    if (code == 0) {
+        printf("{\"busy\": {\"seconds\": %.3f, \"batches\": %ld, \"gpu_seconds\": %.3f, \"fill\": %llu, "
+               "\"in_flight\": %d}}\n", (ended - began) / 1e9, done, gpu_ns / 1e9, (unsigned long long)work.size,
+               options->in_flight);
     }
-    vkDestroyQueryPool(device, queries, NULL);
-    vkDestroyCommandPool(device, pool, NULL);
-    vkDestroyBuffer(device, buffer, NULL);
-    vkFreeMemory(device, memory, NULL);
-    vkDestroyDevice(device, NULL);
+    for (int i = 0; i < options->in_flight; i++) {
+        vkDestroyFence(work.device, fences[i], NULL);
+    }
+    batches_free(&work);
+    return code;
+}
+
+/* --queue: N batches submitted one after the other without waiting for any, as a client that queues its whole run
+ * at once; then, once they have all run, one more submit, and how long that submit took (what a compute share had
+ * left to pay). */
+static int queued(const struct options *options, VkPhysicalDevice physical)
+{
+    struct batches work;
+    if (!batches_make(&work, physical, options->fill_mib, (int)options->queue)) {
+        batches_free(&work);
+        return 1;
+    }
+    double began = now_ns();
+    for (int i = 0; i < work.count; i++) {
+        VkResult result = submit_batch(&work, i, VK_NULL_HANDLE);
+        if (result != VK_SUCCESS) {
+            fprintf(stderr, "gpuppetti-vkinfo: vkQueueSubmit: %s\n", result_name(result));
+            batches_free(&work);
+            return 1;
+        }
+    }
+    double submitted = now_ns();
+    vkQueueWaitIdle(work.queue);
+    double ended = now_ns();
+    double gpu_ns = 0;
+    for (int i = 0; i < work.count; i++) {
+        gpu_ns += batch_ns(&work, i);
+    }
+    double next = now_ns();
+    VkResult result = submit_batch(&work, 0, VK_NULL_HANDLE);
+    double next_wait = now_ns() - next;
+    vkQueueWaitIdle(work.queue);
+    if (result != VK_SUCCESS) {
+        fprintf(stderr, "gpuppetti-vkinfo: vkQueueSubmit: %s\n", result_name(result));
+        batches_free(&work);
+        return 1;
+    }
+    printf("{\"queue\": {\"seconds\": %.3f, \"batches\": %d, \"gpu_seconds\": %.3f, \"submit_seconds\": %.3f, "
+           "\"next_submit_wait\": %.3f, \"fill\": %llu}}\n", (ended - began) / 1e9, work.count, gpu_ns / 1e9,
+           (submitted - began) / 1e9, next_wait / 1e9, (unsigned long long)work.size);
+    batches_free(&work);
     return 0;
 }
 
@@ -716,6 +851,9 @@ int main(int argc, char **argv)
                    number(argv[i + 1], 1, MAX_IN_FLIGHT, &value)) {
             options.in_flight = (int)value;
             i++;
+        } else if (i + 1 < argc && strcmp(flag, "--queue") == 0 && number(argv[i + 1], 1, MAX_QUEUED, &value)) {
+            options.queue = value;
+            i++;
         } else {
             char problem[256];
             snprintf(problem, sizeof problem, "unknown option or bad value: %s", flag);
@@ -744,6 +882,8 @@ int main(int argc, char **argv)
         code = count > 0 ? bench(&options, physicals[0]) : 1;
     } else if (options.busy_seconds > 0) {
         code = count > 0 ? busy(&options, physicals[0]) : 1;
+    } else if (options.queue > 0) {
+        code = count > 0 ? queued(&options, physicals[0]) : 1;
     } else {
         report(options.json, layer, physicals, count);
         if (options.allocate_mib > 0) {
