@@ -262,7 +262,7 @@ class ClaimStore:
             claim, plan = planned[uid]
             answers[uid] = plan.devices
             if debug:
-                log.debug("prepared claim %s (%s)", claim, ", ".join(d.device for d in plan.devices))
+                log.debug("prepared claim %s: %s", claim, ", ".join(d.device for d in plan.devices))
         return answers
 
     def _write(self, planned: Mapping[str, tuple[ClaimRef, Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
@@ -298,6 +298,9 @@ class ClaimStore:
                 except OSError as exc:
                     why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
                     return {claim.uid: why for claim in claims}
+                if log.isEnabledFor(logging.DEBUG):
+                    for claim in gone:
+                        log.debug("unprepared claim %s", claim)
                 log.info("unprepared %s", named(gone))
             # After the checkpoint let them go; a spec the checkpoint never held goes too.
             await _run_to_the_end(_remove_specs, self.cdi_dir,
