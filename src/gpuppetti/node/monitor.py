@@ -48,6 +48,9 @@ class HealthMonitor:
         self._events: asyncio.Queue[HealthEvent] = asyncio.Queue()
         # Wakes the recovery duty when a fault's deadline moves.
         self._faults_changed = asyncio.Event()
+        # The health poll and the host agent both refresh. One at a time, each reading the agent's facts once it
+        # holds this: a slow discovery begun before the agent answered must not land after one that used its facts.
+        self._refreshing = asyncio.Lock()
 
     def set_backends(self, backends: Sequence[Backend]) -> None:
         """Called after a config reload, which may change what is discovered and how."""
@@ -84,13 +87,14 @@ class HealthMonitor:
 
     async def refresh(self) -> None:
         """Discover again and reconcile with what the inventory holds."""
-        facts = self.agent.current() if self.agent is not None else None
-        try:
-            found = await asyncio.to_thread(discover, self._backends, facts)
-        except Exception as exc:  # a backend failing must not take the plugin down with it
-            log.error("discovery failed: %s", exc)
-            return
-        await self.reconcile(found)
+        async with self._refreshing:
+            facts = self.agent.current() if self.agent is not None else None
+            try:
+                found = await asyncio.to_thread(discover, self._backends, facts)
+            except Exception as exc:  # a backend failing must not take the plugin down with it
+                log.error("discovery failed: %s", exc)
+                return
+            await self.reconcile(found)
 
     async def reconcile(self, found: Sequence[Gpu]) -> None:
         current = self._inventory.gpus
