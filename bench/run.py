@@ -28,6 +28,7 @@ from prometheus_client import generate_latest
 from rich.console import Console, RenderableType
 from rich.text import Text
 
+from bench.app_shares import bench_app_shares
 from bench.figures import Figure as Figure  # as before: others import it from here
 from bench.llama_cpp import ROUNDS as LLAMA_ROUNDS
 from bench.llama_cpp import bench_llama_cpp
@@ -692,6 +693,7 @@ async def main_async(args: argparse.Namespace) -> list[Figure]:
         ("Vulkan layer", lambda: bench_vulkan_layer(workdir, figures)),
         ("slice metrics", lambda: bench_slice_metrics(workdir, figures)),
         ("llama.cpp", lambda: bench_llama_cpp(workdir, args.llama_rounds, figures)),
+        ("application shares", lambda: bench_app_shares(workdir, figures)),
     ]
     try:
         if not args.only:

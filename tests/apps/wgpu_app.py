@@ -5,6 +5,10 @@
     wgpu_app.py fill --chunk C --limit L    buffers of C MiB (mapped at creation with --mapped) until wgpu reports an
                                             error or L MiB are held; then all are freed and 4 MiB are doubled
                                             (--hold FILE: write FILE when full, wait for FILE.release)
+    wgpu_app.py busy --batches N --rounds R [--queued]
+                                            N compute passes of R rounds of arithmetic each, timed by the GPU's
+                                            timestamps: each waited for before the next (a frame at a time), or all
+                                            submitted at once (--queued); the GPU time and the wall time they took
 
 Nothing here judges the result: the tests do, against what they compute themselves. wgpu is imported by name, so
 that this file type-checks where wgpu is not installed (the repository's own venv).
@@ -17,6 +21,7 @@ import hashlib
 import importlib
 import json
 import random
+import struct
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,24 @@ fn main(@builtin(global_invocation_id) id: vec3<u32>) {
     }
 }
 """
+# Work that keeps the GPU busy and touches little memory: each invocation steps a linear congruential generator.
+BUSY_SHADER = """
+@group(0) @binding(0) var<storage, read_write> data: array<u32>;
+struct Params { rounds: u32 }
+@group(0) @binding(1) var<uniform> params: Params;
+
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+    var x = data[id.x] + id.x;
+    for (var i = 0u; i < params.rounds; i = i + 1u) {
+        x = x * 1664525u + 1013904223u;
+    }
+    data[id.x] = x;
+}
+"""
+BUSY_INVOCATIONS = 65536
+# wgpu resolves a query set into a buffer at offsets of this alignment (QUERY_RESOLVE_BUFFER_ALIGNMENT).
+RESOLVE_ALIGNMENT = 256
 
 
 def values(size: int, seed: int) -> bytes:
@@ -120,19 +143,70 @@ def fill(wgpu: Any, device: Any, chunk_mib: int, limit_mib: int, mapped: bool, s
     return {"obtained": obtained, "error": error, "after": double(wgpu, device, 4, seed)}
 
 
+def busy(wgpu: Any, batches: int, rounds: int, queued: bool) -> dict[str, Any]:
+    """GPU time by the passes' own timestamps (wgpu's, which the layer never sees), against the wall time from the
+    first submit to the last timestamps read back: the read's own submit is in it, so a wait the client still owes
+    at its end is counted."""
+    adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+    device = adapter.request_device_sync(required_features=["timestamp-query"])
+    usage = wgpu.BufferUsage
+    data = device.create_buffer(size=BUSY_INVOCATIONS * 4, usage=usage.STORAGE)
+    params = device.create_buffer_with_data(data=struct.pack("<I", rounds), usage=usage.UNIFORM)
+    pipeline = device.create_compute_pipeline(
+        layout="auto", compute={"module": device.create_shader_module(code=BUSY_SHADER), "entry_point": "main"})
+    bind_group = device.create_bind_group(layout=pipeline.get_bind_group_layout(0), entries=[
+        {"binding": 0, "resource": {"buffer": data, "offset": 0, "size": data.size}},
+        {"binding": 1, "resource": {"buffer": params, "offset": 0, "size": params.size}},
+    ])
+    queries = device.create_query_set(type="timestamp", count=2 * batches)
+    stamps = device.create_buffer(size=RESOLVE_ALIGNMENT * batches, usage=usage.QUERY_RESOLVE | usage.COPY_SRC)
+
+    def submit(batch: int) -> None:
+        encoder = device.create_command_encoder()
+        compute = encoder.begin_compute_pass(timestamp_writes={
+            "query_set": queries, "beginning_of_pass_write_index": 2 * batch,
+            "end_of_pass_write_index": 2 * batch + 1})
+        compute.set_pipeline(pipeline)
+        compute.set_bind_group(0, bind_group)
+        compute.dispatch_workgroups(BUSY_INVOCATIONS // 64)
+        compute.end()
+        encoder.resolve_query_set(queries, 2 * batch, 2, stamps, RESOLVE_ALIGNMENT * batch)
+        device.queue.submit([encoder.finish()])
+
+    # One pass before the clock starts: the pipeline compiled, and the first submit's setup, are not the workload.
+    submit(0)
+    device.queue.read_buffer(stamps, 0, 16)
+    started = time.monotonic()
+    for batch in range(batches):
+        submit(batch)
+        if not queued:
+            device.queue.read_buffer(stamps, RESOLVE_ALIGNMENT * batch, 16)
+    read = bytes(device.queue.read_buffer(stamps))
+    seconds = time.monotonic() - started
+    period = device.queue.get_timestamp_period() if hasattr(device.queue, "get_timestamp_period") else 1.0
+    ticks = [struct.unpack_from("<2Q", read, RESOLVE_ALIGNMENT * batch) for batch in range(batches)]
+    gpu_seconds = sum(end - begin for begin, end in ticks) * period / 1e9
+    return {"batches": batches, "queued": queued, "gpu_seconds": gpu_seconds, "seconds": seconds}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=("info", "double", "fill"))
+    parser.add_argument("command", choices=("info", "double", "fill", "busy"))
     parser.add_argument("--mib", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--limit", type=int, default=1024)
     parser.add_argument("--mapped", action="store_true")
     parser.add_argument("--hold", metavar="FILE", help="fill: write FILE once filled; free when FILE.release is there")
+    parser.add_argument("--batches", type=int, default=20, help="busy: compute passes")
+    parser.add_argument("--rounds", type=int, default=1000, help="busy: arithmetic rounds per invocation")
+    parser.add_argument("--queued", action="store_true", help="busy: submit every pass before waiting for any")
     args = parser.parse_args()
     wgpu = importlib.import_module("wgpu")
     if args.command == "info":
         report = info(wgpu)
+    elif args.command == "busy":
+        report = busy(wgpu, args.batches, args.rounds, args.queued)
     else:
         _, device = device_for(wgpu)
         if args.command == "double":
