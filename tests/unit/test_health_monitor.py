@@ -1,4 +1,5 @@
-"""The health monitor's refreshes, in-process: the health poll and the host agent both refresh the inventory."""
+"""The health monitor's refreshes, in-process: the health poll, the host agent and a config reload all discover and
+apply what they found, one at a time."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import asyncio
 import threading
 from pathlib import Path
 
-from gpuppetti.core.model import Gpu, Vendor
+from gpuppetti.core.model import Gpu, Health, Vendor
 from gpuppetti.discovery import HostFacts
 from gpuppetti.hostagent.client import HostAgentSource
+from gpuppetti.node.daemon import Sources, reload
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.monitor import HealthMonitor
 from tests.helpers import config_from
@@ -85,3 +87,24 @@ async def test_a_discovery_begun_before_the_agent_answered_does_not_land_after_o
     [served] = inventory.gpus.values()
     assert (served.model, served.cores, served.facts) == ("Apple M3 Max", 40, "host-agent")
     assert len(inventory.snapshot.plan["apple.com/gpu"].units) == 4
+
+
+async def test_a_refresh_begun_with_the_old_backends_does_not_land_after_a_reload(tmp_path: Path) -> None:
+    card = _VirtioCard()
+    inventory = Inventory(config_from(CONFIG), [_virtio_card()])
+    monitor = HealthMonitor(inventory, [card])
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG.replace("backend: simulated", "backend: simulated\nsimulated:\n  gpus:\n"
+                                     "    - {model: Apple M3 Max, vendor: apple, cores: 40, memory: 48Gi}"))
+
+    # The poll's refresh runs with the old backend (the virtio card), and its discovery is slow.
+    poll = asyncio.create_task(monitor.refresh())
+    assert await asyncio.to_thread(card.first_started.wait, 10)
+    # SIGHUP meanwhile: the new config has a simulated GPU instead.
+    reloading = asyncio.create_task(reload(Sources(config, "simulated"), inventory, monitor))
+    await asyncio.sleep(0.05)
+    card.release_first.set()
+    await asyncio.gather(poll, reloading)
+
+    assert {gpu_id: gpu.health for gpu_id, gpu in inventory.gpus.items()} == {"sim-apple-0": Health.HEALTHY}, (
+        "the reload's GPUs, as its discovery found them")

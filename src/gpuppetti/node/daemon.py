@@ -129,18 +129,20 @@ async def reload(sources: Sources, inventory: Inventory, monitor: HealthMonitor)
     """
     log.info("reloading %s", sources.config_path or "the built-in defaults")
     agent = monitor.agent
-    try:
-        found = await asyncio.to_thread(load_and_discover, sources, agent.current() if agent else None)
-        if (field := immutable_change(inventory.config, found.config)) is not None:
-            log.error("config reload refused; keeping the previous config: %s: %s cannot change while the "
-                      "process runs (restart it to change it)", found.config.source, field)
+    # No refresh runs meanwhile: one begun with the old backends would otherwise land after the new config's GPUs.
+    async with monitor.discovering:
+        try:
+            found = await asyncio.to_thread(load_and_discover, sources, agent.current() if agent else None)
+            if (field := immutable_change(inventory.config, found.config)) is not None:
+                log.error("config reload refused; keeping the previous config: %s: %s cannot change while the "
+                          "process runs (restart it to change it)", found.config.source, field)
+                return
+            inventory.replace(found.config, found.gpus)
+            warn_about_config(inventory)
+        except (ConfigError, BackendUnavailable) as exc:
+            log.error("config reload failed; keeping the previous config:\n%s", exc)
             return
-        inventory.replace(found.config, found.gpus)
-        warn_about_config(inventory)
-    except (ConfigError, BackendUnavailable) as exc:
-        log.error("config reload failed; keeping the previous config:\n%s", exc)
-        return
-    monitor.set_backends(found.backends)
+        monitor.set_backends(found.backends)
     offered = [f"{n}={len(p.units)}" for n, p in inventory.plan.items()]
     if Serves.POOL in inventory.serves:
         offered.append(f"{len(inventory.snapshot.pool.devices)} DRA device(s)")

@@ -48,9 +48,10 @@ class HealthMonitor:
         self._events: asyncio.Queue[HealthEvent] = asyncio.Queue()
         # Wakes the recovery duty when a fault's deadline moves.
         self._faults_changed = asyncio.Event()
-        # The health poll and the host agent both refresh. One at a time, each reading the agent's facts once it
-        # holds this: a slow discovery begun before the agent answered must not land after one that used its facts.
-        self._refreshing = asyncio.Lock()
+        # Held by whoever discovers and applies what it found: the health poll's and the host agent's refreshes, a
+        # config reload. One at a time, each reading the agent's facts once it holds this: a slow discovery begun
+        # before the agent answered (or with the backends a reload replaced) must not land after a newer one.
+        self.discovering = asyncio.Lock()
 
     def set_backends(self, backends: Sequence[Backend]) -> None:
         """Called after a config reload, which may change what is discovered and how."""
@@ -87,7 +88,7 @@ class HealthMonitor:
 
     async def refresh(self) -> None:
         """Discover again and reconcile with what the inventory holds."""
-        async with self._refreshing:
+        async with self.discovering:
             facts = self.agent.current() if self.agent is not None else None
             try:
                 found = await asyncio.to_thread(discover, self._backends, facts)
