@@ -183,6 +183,8 @@ def busy(wgpu: Any, batches: int, rounds: int, queued: bool) -> dict[str, Any]:
             device.queue.read_buffer(stamps, RESOLVE_ALIGNMENT * batch, 16)
     read = bytes(device.queue.read_buffer(stamps))
     seconds = time.monotonic() - started
+    # Nanoseconds per tick: wgpu-py 0.32 has no such call (its resolved timestamps are in nanoseconds, as
+    # lavapipe's ticks are); a later one that has it is asked.
     period = device.queue.get_timestamp_period() if hasattr(device.queue, "get_timestamp_period") else 1.0
     ticks = [struct.unpack_from("<2Q", read, RESOLVE_ALIGNMENT * batch) for batch in range(batches)]
     gpu_seconds = sum(end - begin for begin, end in ticks) * period / 1e9
