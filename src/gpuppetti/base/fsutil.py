@@ -118,16 +118,28 @@ def create_file(path: str, data: bytes, mode: int, size: int = 0) -> None:
         os.close(fd)
 
 
-def read_untrusted(path: str, limit: int) -> bytes | None:
-    """The first ``limit`` bytes of ``path``, in a directory others can write: None unless it is a regular file
-    (never through a link, never blocking on a FIFO)."""
+def open_untrusted(path: str) -> int | None:
+    """``path``, in a directory others can write, open for reading: None unless it is a regular file (never
+    through a link, never blocking on a FIFO). The caller closes the descriptor."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def read_untrusted(path: str, limit: int) -> bytes | None:
+    """The first ``limit`` bytes of ``path``, as open_untrusted opens it; None where it does not."""
+    fd = open_untrusted(path)
+    if fd is None:
+        return None
+    try:
         return os.pread(fd, limit, 0)
     except OSError:
         return None

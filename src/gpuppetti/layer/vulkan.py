@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from gpuppetti.base.fsutil import (
     make_directory,
     mount_tmpfs,
     mounts_propagate,
+    open_untrusted,
     read_untrusted,
     remove_file,
     remove_tree,
@@ -215,13 +215,10 @@ def _slot_live(fd: int, slot: int) -> bool:
 def read_use(path: str, index: int) -> SliceUse | None:
     """One accounting file's figures; None where it is not one (missing, a link, not a regular file, not the
     layout). Only live processes' slots count: what a killed process held leaves the figure as it dies."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    fd = open_untrusted(path)
+    if fd is None:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         data = os.pread(fd, ACCT_UNOWNED_OFFSET + 8, 0)
         if len(data) < 32 or not data.startswith(ACCT_MAGIC):
             return None
