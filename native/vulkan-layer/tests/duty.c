@@ -31,21 +31,9 @@
 
 #include "../accounting.h"
 #include "../dutycycle.h"
+#include "check.h"
 
 #define MS 1000000LL
-
-static const char *scenario_name = "";
-static int failures;
-
-#define CHECK(condition, ...)                                                                                        \
-    do {                                                                                                             \
-        if (!(condition)) {                                                                                          \
-            fprintf(stderr, "%s: %s:%d: %s: ", scenario_name, __FILE__, __LINE__, #condition);                       \
-            fprintf(stderr, __VA_ARGS__);                                                                            \
-            fputc('\n', stderr);                                                                                     \
-            failures++;                                                                                              \
-        }                                                                                                            \
-    } while (0)
 
 /* -- the simulated GPU ------------------------------------------------------------------------------------------ */
 

@@ -36,23 +36,11 @@
 
 #include "../accounting.h"
 #include "fake_icd.h"
+#include "check.h"
 
 #define MIB (1024ull * 1024ull)
 #define GIB (1024ull * MIB)
 #define SLICE_MIB 256
-
-static const char *scenario_name = "";
-static int failures;
-
-#define CHECK(condition, ...)                                                                                        \
-    do {                                                                                                             \
-        if (!(condition)) {                                                                                          \
-            fprintf(stderr, "%s: %s:%d: %s: ", scenario_name, __FILE__, __LINE__, #condition);                       \
-            fprintf(stderr, __VA_ARGS__);                                                                            \
-            fputc('\n', stderr);                                                                                     \
-            failures++;                                                                                              \
-        }                                                                                                            \
-    } while (0)
 
 /* -- Vulkan helpers -------------------------------------------------------------------------------------------- */
 
