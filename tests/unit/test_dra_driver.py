@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Collection
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,13 +78,15 @@ class _Claims:
             yield claim
 
 
-def _allocated(n: int) -> ResourceClaim:
+def _allocated(n: int, **result: Any) -> ResourceClaim:
+    """Claim ``c{n}``, allocated device ``gpu-apple-{n}``; ``result`` adds to its one result (a share's fields)."""
     return from_api({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": f"c{n}", "namespace": "default", "uid": f"3f2a1b0c-0000-4000-8000-{n:012d}"},
         "spec": {"devices": {"requests": []}},
         "status": {"allocation": {"devices": {"results": [
-            {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": f"gpu-apple-{n}"}]}}}}, ResourceClaim)
+            {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": f"gpu-apple-{n}", **result}]}}}},
+        ResourceClaim)
 
 
 async def test_a_list_that_breaks_keeps_what_it_read_and_the_rest_are_read_one_by_one(tmp_path: Path) -> None:
@@ -112,20 +115,10 @@ dra: {slicing: partitions, partitions: [4]}
 """
 
 
-def _partition(n: int) -> ResourceClaim:
-    return from_api({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": f"c{n}", "namespace": "default", "uid": f"3f2a1b0c-0000-4000-8000-{n:012d}"},
-        "spec": {"devices": {"requests": []}},
-        "status": {"allocation": {"devices": {"results": [
-            {"driver": DRIVER, "pool": NODE, "request": "gpu", "device": f"gpu-apple-{n}", "shareID": "p1",
-             "consumedCapacity": {"memory": "12Gi"}}]}}}}, ResourceClaim)
-
-
 def _layered_driver(tmp_path: Path) -> tuple[GpuDriver, LayerDir, list[ClaimRef]]:
     config = config_from(PARTITIONS)
     inventory = Inventory(config, SimulatedBackend(config.simulated).discover(), Serves.POOL)
-    claims = {f"c{n}": _partition(n) for n in range(2)}
+    claims = {f"c{n}": _allocated(n, shareID="p1", consumedCapacity={"memory": "12Gi"}) for n in range(2)}
     layer = LayerDir(tmp_path / "vulkan")
     layer.allocations.mkdir(parents=True)
     store = ClaimStore(tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"), layer=layer)
