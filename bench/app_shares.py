@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.figures import Figure
+from bench.llama_cpp import warm_llama
 from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE
 from tests.apps.conftest import PythonApp
-from tests.apps.support import CannotRun, app_venv, llama_image, llama_server, python_image, slice_edits, why_not_here
-from tests.apps.test_llama_cpp import SLICE, SMALL, Llama, answer, completion_rate, generate, write_model
+from tests.apps.support import CannotRun, app_venv, python_image, slice_edits, why_not_here
+from tests.apps.test_llama_cpp import SLICE, Llama, answer, completion_rate, generate
 from tests.apps.test_wgpu import wgpu
 
 SHARES = (500, 250)
@@ -83,16 +84,12 @@ def _measure(workdir: Path) -> list[Figure]:
     layer.install()
     clients = [_wgpu_client(PythonApp(python, python_image(python)), layer, queued) for queued in (False, True)]
     not_llama: str | None = None
+    model = workdir / "shares-llama.gguf"
     try:
-        server = llama_server(python)
+        llama = warm_llama(python, model)
     except CannotRun as exc:
         not_llama = str(exc)
     else:
-        llama = Llama(llama_image(server), server)
-        model = workdir / "shares-llama.gguf"
-        write_model(python, model, SMALL, 1)
-        # Uncounted: warms the image, the model's pages and Mesa's shader cache.
-        generate(llama, None, model, 2)
         clients.append(_llama_client(llama, model, layer))
     figures: list[Figure] = []
     for client in clients:

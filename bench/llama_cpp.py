@@ -69,25 +69,30 @@ def _tokens(runs: list[Timed]) -> str:
     return ", ".join(f"{run.generated:.1f}" for run in runs)
 
 
+def warm_llama(python: Path, model: Path) -> Llama:
+    """llama-server in its image, the tests' small model written at ``model``, and one run not counted: it warms
+    what every run shares, the image's files, the model's pages and Mesa's shader cache (lavapipe compiles
+    llama.cpp's pipelines once, which takes minutes). Raises CannotRun where llama-server cannot run."""
+    server = llama_server(python)
+    llama = Llama(llama_image(server), server)
+    write_model(python, model, SMALL, 1)
+    answer(generate(llama, None, model, 2))
+    return llama
+
+
 def _measure(workdir: Path, rounds: int) -> list[Figure]:
     reason = why_not_here()
     if reason is not None:
         raise CannotRun(reason)
-    python = app_venv()
-    server = llama_server(python)
-    llama = Llama(llama_image(server), server)
     model = workdir / "llama.gguf"
-    write_model(python, model, SMALL, 1)
+    llama = warm_llama(app_venv(), model)
     layer = LayerDir(workdir / "llama-vulkan")
     layer.install()
     # A machine's speed moves from one minute to the next (here two shared cores, whose speed is lavapipe's: the same
     # run of llama-server makes 11 tokens/s in one minute and 15 in the next): tokens/s from another run, or a fixed
     # number, would judge the machine's mood, not the layer. So both modes run in this one run, in rounds of one run
     # each, back to back (without then with, then with then without: neither always goes first), and the figure is
-    # the median of the rounds' ratios, each taken between two runs a few seconds apart. A first run, not counted,
-    # warms what both share: the image's files, the model's pages and Mesa's shader cache (lavapipe compiles
-    # llama.cpp's pipelines once, which takes minutes).
-    _timed(llama, model, None)
+    # the median of the rounds' ratios, each taken between two runs a few seconds apart.
     runs: dict[bool, list[Timed]] = {False: [], True: []}
     for round_ in range(rounds):
         for sliced in (False, True) if round_ % 2 == 0 else (True, False):
