@@ -142,6 +142,26 @@ async def test_an_answer_that_is_not_a_claim_is_one_api_error_naming_where(api: 
     assert "$.status.allocation.devices.results[0].device" in message, message
 
 
+async def test_a_page_with_a_claim_of_the_wrong_shape_fails_whole_naming_where(api: Api, tmp_path: Path) -> None:
+    # A page is decoded straight into the driver's types: a claim it was not asked for breaks the page too, and
+    # the driver then reads the claims it wants by name (test_dra_driver).
+    standin, _ = api
+    for name in ("c0", "odd"):
+        await standin.create("resourceclaims", {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                                                "metadata": {"name": name, "namespace": "ns"}}, "ns")
+    standin.objects[("resourceclaims", "ns", "odd")]["status"] = {"reservedFor": "everyone"}
+    driver_api = kube.Kube(load_config(tmp_path / "kubeconfig"))
+    try:
+        with pytest.raises(kube.ApiError) as raised:
+            [claim async for claim in driver_api.list_claims("ns", {"c0"})]
+        assert (await driver_api.get_claim("ns", "c0")).metadata.name == "c0"
+    finally:
+        await driver_api.close()
+    message = str(raised.value)
+    assert message.startswith("listing the ResourceClaims of namespace ns: the answer is not what was asked for")
+    assert "$.items[1].status.reservedFor" in message, message
+
+
 async def test_too_old_resource_version_is_gone(api: Api) -> None:
     standin, client = api
     from tests.standins import apiserver

@@ -21,12 +21,11 @@ import msgspec
 from lightkube import AsyncClient
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core import exceptions as lightkube_errors
-from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+from lightkube.core import resource as lightkube_resource
 from lightkube.operators import BinaryOperator, SequenceOperator
-from lightkube.resources.core_v1 import Node as _Node
 from lightkube.types import PatchType
 
-from gpuppetti.core.kubeobjects import Node, ResourceClaim, ResourceSlice, ResourceSliceBody, from_api
+from gpuppetti.core.kubeobjects import Node, ObjectMeta, ResourceClaim, ResourceSlice, ResourceSliceBody
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +36,53 @@ WATCH_TIMEOUT_S = 300
 FIELD_MANAGER = "gpuppetti"
 # Claims read per request when a namespace is listed. A page is decoded whole before its claims are handed on:
 # at 250, a kubelet call of a thousand claims takes four requests; at 100 the ten requests cost its Prepare a third
-# more time (make bench: 352 ms against 224), at kubectl's 500 the driver keeps 1.3 MiB more after it (80.2 MiB
-# against 78.9). A call lists only where it names at least LIST_FROM claims of one namespace.
+# more time (make bench: 352 ms against 224); kubectl's 500 is no faster, and the driver keeps 0.3 MiB more after
+# it. A call lists only where it names at least LIST_FROM claims of one namespace.
 LIST_PAGE = 250
 
 T = TypeVar("T")
 
-# ResourceSlices and ResourceClaims as plain dicts (lightkube's generic resources), not as lightkube's models: a slice
-# carries up to 128 devices and a kubelet call names up to a thousand claims, and the models were built only to be
-# turned back into dicts. What is read of them is validated by kubeobjects, like every answer.
-_Slice = create_global_resource(group="resource.k8s.io", version="v1", kind="ResourceSlice",
-                                plural="resourceslices")
-_Claim = create_namespaced_resource(group="resource.k8s.io", version="v1", kind="ResourceClaim",
-                                    plural="resourceclaims")
+
+def _api(group: str, kind: str, plural: str, verbs: list[str]) -> lightkube_resource.ApiInfo:
+    return lightkube_resource.ApiInfo(resource=lightkube_resource.ResourceDef(group, "v1", kind), plural=plural,
+                                      verbs=verbs)
+
+
+# What is read is decoded by lightkube straight into kubeobjects' types (it decodes into any msgspec Struct that
+# names its API): only the fields the driver uses are built, and a slice's 128 devices, which the API echoes back
+# after every write and in every watch event, are skipped unread, as are a claim's managedFields. A dict of the
+# whole object, then a model of it, cost the driver a tenth of its start and of a thousand-claim Prepare (make
+# bench). An answer that is not what it says fails to decode: a msgspec.ValidationError, so an ApiError here.
+class _Meta(ObjectMeta, frozen=True):
+    # lightkube's watch asks each object for its version by the API's name.
+    @property
+    def resourceVersion(self) -> str | None:
+        return self.resource_version
+
+
+class _Claim(ResourceClaim, lightkube_resource.NamespacedResource, frozen=True):
+    _api_info = _api("resource.k8s.io", "ResourceClaim", "resourceclaims", ["get", "list"])
+
+
+class _Slice(ResourceSlice, lightkube_resource.GlobalResource, frozen=True):
+    _api_info = _api("resource.k8s.io", "ResourceSlice", "resourceslices", ["delete", "list", "watch"])
+    metadata: _Meta = msgspec.field(default_factory=_Meta)
+
+
+class _Node(Node, lightkube_resource.GlobalResource, frozen=True):
+    _api_info = _api("", "Node", "nodes", ["get", "patch"])
+
+
+class _WrittenSlice(msgspec.Struct, lightkube_resource.GlobalResource, kw_only=True, omit_defaults=True):
+    """A slice to create or replace. The request carries the body whole; its answer (lightkube decodes it into
+    the class it sent) is read for the metadata alone, the spec kept as the bytes it came in."""
+
+    _api_info = _api("resource.k8s.io", "ResourceSlice", "resourceslices", ["post", "put"])
+    # The API's own names, as lightkube reads them.
+    apiVersion: str
+    kind: str
+    metadata: _Meta
+    spec: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
 
 
 class ApiError(Exception):
@@ -161,14 +194,10 @@ def _fields(node: str, driver: str) -> dict[str, str | BinaryOperator | Sequence
     return {"spec.nodeName": node, "spec.driver": driver}
 
 
-def _slice_object(body: ResourceSliceBody) -> Any:
-    return _Slice.from_dict(dict(body))
-
-
-def _as_dict(found: Any) -> dict[str, Any]:
-    """A lightkube object as JSON's types, for a model of kubeobjects to validate."""
-    converted: dict[str, Any] = found.to_dict()
-    return converted
+def _slice_object(body: ResourceSliceBody) -> _WrittenSlice:
+    return _WrittenSlice(apiVersion=body["apiVersion"], kind=body["kind"],
+                         metadata=msgspec.convert(body["metadata"], _Meta),
+                         spec=msgspec.Raw(msgspec.json.encode(body["spec"])))
 
 
 class Kube:
@@ -185,16 +214,9 @@ class Kube:
         except FAILURES as exc:  # msgspec.ValidationError is a ValueError: an answer that is not what it says
             raise _error(exc, what, self._timeout) from None
 
-    async def _typed(self, what: str, call: Awaitable[Any], kind: type[T]) -> T:
-        found = await self._call(what, call)
-        try:
-            return from_api(_as_dict(found), kind)
-        except (AttributeError, TypeError, ValueError) as exc:  # msgspec.ValidationError is a ValueError
-            raise _error(exc, what, self._timeout) from None
-
     async def get_claim(self, namespace: str, name: str) -> ResourceClaim:
-        return await self._typed(f"reading ResourceClaim {namespace}/{name}",
-                                 self._client.get(_Claim, name, namespace=namespace), ResourceClaim)
+        return await self._call(f"reading ResourceClaim {namespace}/{name}",
+                                self._client.get(_Claim, name, namespace=namespace))
 
     async def list_claims(self, namespace: str, names: Collection[str]) -> AsyncIterator[ResourceClaim]:
         """The ResourceClaims of ``namespace`` that are named in ``names``, as they are read: a few requests where a
@@ -203,19 +225,19 @@ class Kube:
         some claims."""
         try:
             async for item in self._client.list(_Claim, namespace=namespace, chunk_size=LIST_PAGE):
-                if getattr(item.metadata, "name", None) in names:
-                    yield from_api(_as_dict(item), ResourceClaim)
+                if item.metadata.name in names:
+                    yield item
         except FAILURES as exc:  # msgspec.ValidationError is a ValueError: an answer that is not what it says
             raise _error(exc, f"listing the ResourceClaims of namespace {namespace}", self._timeout) from None
 
     async def node_uid(self, node: str) -> str:
-        found = await self._typed(f"reading Node {node}", self._client.get(_Node, node), Node)
+        found = await self._call(f"reading Node {node}", self._client.get(_Node, node))
         if not found.metadata.uid:
             raise ApiError(f"reading Node {node}: the answer has no uid")
         return found.metadata.uid
 
     async def node_labels(self, node: str) -> dict[str, str]:
-        found = await self._typed(f"reading Node {node}", self._client.get(_Node, node), Node)
+        found = await self._call(f"reading Node {node}", self._client.get(_Node, node))
         return dict(found.metadata.labels or {})
 
     async def label_node(self, node: str, labels: dict[str, str | None]) -> None:
@@ -226,8 +248,7 @@ class Kube:
     async def list_slices(self, node: str, driver: str) -> list[ResourceSlice]:
         """The ResourceSlices of ``driver`` on ``node``."""
         async def listed() -> list[ResourceSlice]:
-            return [from_api(_as_dict(item), ResourceSlice)
-                    async for item in self._client.list(_Slice, fields=_fields(node, driver))]
+            return [item async for item in self._client.list(_Slice, fields=_fields(node, driver))]
 
         return await self._call("listing ResourceSlices", listed())
 
@@ -241,9 +262,9 @@ class Kube:
 
     async def _version(self, what: str, call: Awaitable[Any]) -> str:
         """The resourceVersion of a written slice. Only its metadata is read: the API echoes 128 devices back."""
-        written = await self._call(what, call)
-        version = getattr(written.metadata, "resourceVersion", None)
-        if not isinstance(version, str) or not version:
+        written: _WrittenSlice = await self._call(what, call)
+        version = written.metadata.resource_version
+        if not version:
             raise ApiError(f"{what}: the answer has no resourceVersion")
         return version
 
@@ -257,8 +278,7 @@ class Kube:
         try:
             async for event, item in self._client.watch(_Slice, fields=_fields(node, driver),
                                                         server_timeout=WATCH_TIMEOUT_S):
-                meta = item.metadata
-                yield str(event), str(getattr(meta, "name", "")), str(getattr(meta, "resourceVersion", ""))
+                yield str(event), item.metadata.name, item.metadata.resource_version or ""
         except FAILURES as exc:
             raise _error(exc, "watching ResourceSlices", self._timeout) from None
 
