@@ -22,7 +22,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -109,9 +109,10 @@ def _pieces(claims: Mapping[str, ClaimRecord]) -> Iterator[bytes]:
     yield b"}"
 
 
-def _checksum(claims: Mapping[str, ClaimRecord]) -> str:
+def _checksum(claims: Mapping[str, ClaimRecord] | Iterable[bytes]) -> str:
+    """Over the claims' canonical encoding: given the claims, or their pieces as _pieces encoded them."""
     digest = hashlib.sha256()
-    for piece in _pieces(claims):
+    for piece in _pieces(claims) if isinstance(claims, Mapping) else claims:
         digest.update(piece)
     return digest.hexdigest()
 
@@ -285,8 +286,11 @@ class Checkpoint:
     def save(self, claims: Mapping[str, ClaimRecord]) -> None:
         """Write ``claims`` durably, then take them as the current state. Blocks (fsync): call it in a thread.
         Raises OSError, and keeps the previous state, when the write fails."""
-        # Encoded twice, a record at a time (for the checksum, then for the file), rather than held encoded: msgspec
-        # encodes a thousand records in a few milliseconds.
-        header = f'{{"version":"{VERSION}","checksum":"{_checksum(claims)}","claims":'.encode()
-        atomic_write(self.path, itertools.chain([header], _pieces(claims), [b"}\n"]), mode=0o600)
+        # Encoded once, a record at a time, and the pieces held only until they are written (the checksum, over
+        # them, comes first in the file): encoding them twice instead cost a thousand-claim Prepare a tenth of
+        # its time, as it saves twice (make bench).
+        pieces = list(_pieces(claims))
+        header = f'{{"version":"{VERSION}","checksum":"{_checksum(pieces)}","claims":'.encode()
+        atomic_write(self.path, itertools.chain([header], pieces, [b"}\n"]), mode=0o600)
+        del pieces
         self._claims = MappingProxyType(dict(claims))
