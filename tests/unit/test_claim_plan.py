@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from gpuppetti.core import cdi
-from gpuppetti.core.kubeobjects import ResourceClaim, from_api
+from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import Health
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.plan import PrepareError, layer_allocation, plan_claim
@@ -42,7 +43,7 @@ def _claim(*results: dict[str, Any], uid: str = UID, config: list[dict[str, Any]
         status["allocation"] = {"devices": {
             "results": [{"driver": DRIVER, "pool": NODE, "request": "gpu", **r} for r in results],
             "config": config or []}}
-    return from_api({
+    return msgspec.convert({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": "c", "namespace": "default", "uid": uid},
         "spec": {"devices": {"requests": []}}, "status": status}, ResourceClaim)

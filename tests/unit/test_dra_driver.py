@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from gpuppetti.base.backoff import Backoff
-from gpuppetti.core.kubeobjects import ResourceClaim, from_api
+from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import Serves
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.checkpoint import Checkpoint
@@ -80,7 +81,7 @@ class _Claims:
 
 def _allocated(n: int, **result: Any) -> ResourceClaim:
     """Claim ``c{n}``, allocated device ``gpu-apple-{n}``; ``result`` adds to its one result (a share's fields)."""
-    return from_api({
+    return msgspec.convert({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": f"c{n}", "namespace": "default", "uid": f"3f2a1b0c-0000-4000-8000-{n:012d}"},
         "spec": {"devices": {"requests": []}},

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
+import msgspec
 import pytest
 from prometheus_client import generate_latest
 
@@ -203,10 +204,10 @@ def test_discover_records_the_resource_slice_attribute_and_metrics_say_what_hold
 
 def test_a_consumable_claim_of_an_nvidia_slice_gets_the_limit_and_the_toolkits_hook_in_its_cdi_spec(
         tmp_path: Path) -> None:
-    from gpuppetti.core.kubeobjects import ResourceClaim, from_api
+    from gpuppetti.core.kubeobjects import ResourceClaim
 
     uid = "3f2a1b0c-0000-4000-8000-00000000c1a1"
-    claim = from_api({
+    claim = msgspec.convert({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": "c", "namespace": "default", "uid": uid},
         "spec": {"devices": {"requests": []}},

@@ -8,19 +8,11 @@ memory, where a model per kind cost the driver 5 MiB and a tenth of a second of 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Required, TypedDict, TypeVar
+from typing import Any, Literal, Required, TypedDict
 
 import msgspec
 
 RESOURCE_API = "resource.k8s.io/v1"
-
-T = TypeVar("T")
-
-
-def from_api(data: Any, kind: type[T]) -> T:
-    """``data`` (JSON's types, camelCase keys) as ``kind``; raises msgspec.ValidationError (a ValueError) when it
-    is not one, naming where: "Expected `str`, got `int` - at `$.metadata.name`"."""
-    return msgspec.convert(data, kind)
 
 
 class _Object(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):
