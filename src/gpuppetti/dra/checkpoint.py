@@ -287,8 +287,8 @@ class Checkpoint:
         """Write ``claims`` durably, then take them as the current state. Blocks (fsync): call it in a thread.
         Raises OSError, and keeps the previous state, when the write fails."""
         # Encoded once, a record at a time, and the pieces held only until they are written (the checksum, over
-        # them, comes first in the file): encoding them twice instead cost a thousand-claim Prepare a tenth of
-        # its time, as it saves twice (make bench).
+        # them, comes first in the file): encoding them twice instead cost a thousand-claim Prepare, which saves
+        # twice, about 10 ms of its 120 (make bench).
         pieces = list(_pieces(claims))
         header = f'{{"version":"{VERSION}","checksum":"{_checksum(pieces)}","claims":'.encode()
         atomic_write(self.path, itertools.chain([header], pieces, [b"}\n"]), mode=0o600)
