@@ -109,10 +109,10 @@ def _pieces(claims: Mapping[str, ClaimRecord]) -> Iterator[bytes]:
     yield b"}"
 
 
-def _checksum(claims: Mapping[str, ClaimRecord] | Iterable[bytes]) -> str:
-    """Over the claims' canonical encoding: given the claims, or their pieces as _pieces encoded them."""
+def _checksum(pieces: Iterable[bytes]) -> str:
+    """Over the claims' canonical encoding, as _pieces gives it."""
     digest = hashlib.sha256()
-    for piece in _pieces(claims) if isinstance(claims, Mapping) else claims:
+    for piece in pieces:
         digest.update(piece)
     return digest.hexdigest()
 
@@ -209,7 +209,7 @@ def decode(raw: bytes) -> tuple[dict[str, ClaimRecord], str]:
         records = _records(claims, lenient=False)
         # Over the data read, not the file's bytes: the order of its fields is no part of it.
         checksum = document.get("checksum")
-        if checksum != _checksum(records) and checksum != _legacy_checksum(claims):
+        if checksum != _checksum(_pieces(records)) and checksum != _legacy_checksum(claims):
             raise CorruptCheckpoint("checksum mismatch")
         return records, version
     # A newer version may add fields (and checksum them its own way): take what this version knows.
@@ -292,5 +292,4 @@ class Checkpoint:
         pieces = list(_pieces(claims))
         header = f'{{"version":"{VERSION}","checksum":"{_checksum(pieces)}","claims":'.encode()
         atomic_write(self.path, itertools.chain([header], pieces, [b"}\n"]), mode=0o600)
-        del pieces
         self._claims = MappingProxyType(dict(claims))
