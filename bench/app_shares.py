@@ -28,12 +28,12 @@ from pathlib import Path
 
 from bench.figures import Figure
 from bench.llama_cpp import warm_llama
-from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE
 from tests.apps.conftest import PythonApp
 from tests.apps.support import CannotRun, app_venv, python_image, slice_edits, why_not_here
 from tests.apps.test_llama_cpp import SLICE, Llama, answer, completion_rate, generate
 from tests.apps.test_wgpu import wgpu
+from tests.ledger_client import ServedLayer
 
 SHARES = (500, 250)
 ROUNDS = 3
@@ -54,7 +54,7 @@ class Client:
     how: str
 
 
-def _wgpu_client(app: PythonApp, layer: LayerDir, queued: bool) -> Client:
+def _wgpu_client(app: PythonApp, layer: ServedLayer, queued: bool) -> Client:
     args = ["busy", "--batches", str(WGPU_BATCHES), *(["--queued"] if queued else [])]
 
     def measure(share: int) -> float:
@@ -65,7 +65,7 @@ def _wgpu_client(app: PythonApp, layer: LayerDir, queued: bool) -> Client:
     return Client(f"wgpu, {mode}", measure, "wgpu's timestamps over the wall time of its run")
 
 
-def _llama_client(llama: Llama, model: Path, layer: LayerDir) -> Client:
+def _llama_client(llama: Llama, model: Path, layer: ServedLayer) -> Client:
     def measure(share: int) -> float:
         ran = generate(llama, slice_edits(layer, SLICE, share), model, LLAMA_TOKENS)
         answer(ran)
@@ -80,8 +80,7 @@ def _measure(workdir: Path) -> list[Figure]:
     if reason is not None:
         raise CannotRun(reason)
     python = app_venv()
-    layer = LayerDir(workdir / "shares-vulkan")
-    layer.install()
+    layer = ServedLayer(workdir / "shares-vulkan")
     clients = [_wgpu_client(PythonApp(python, python_image(python)), layer, queued) for queued in (False, True)]
     not_llama: str | None = None
     model = workdir / "shares-llama.gguf"

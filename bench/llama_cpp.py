@@ -18,7 +18,6 @@ from pathlib import Path
 
 from bench.figures import Figure
 from gpuppetti.core.model import ContainerEdits
-from gpuppetti.layer.vulkan import LayerDir
 from tests.apps.support import (
     MIB,
     CannotRun,
@@ -29,6 +28,7 @@ from tests.apps.support import (
     why_not_here,
 )
 from tests.apps.test_llama_cpp import SLICE, SMALL, Llama, answer, free_mib, generate, log, write_model
+from tests.ledger_client import ServedLayer
 
 # Tokens per run: about 5 s of generation on lavapipe here, which the context (-c 256 in the tests' server flags) holds
 # with the prompt. Two completions in one container agree within about 2 %, but two containers, even seconds apart,
@@ -86,8 +86,7 @@ def _measure(workdir: Path, rounds: int) -> list[Figure]:
         raise CannotRun(reason)
     model = workdir / "llama.gguf"
     llama = warm_llama(app_venv(), model)
-    layer = LayerDir(workdir / "llama-vulkan")
-    layer.install()
+    layer = ServedLayer(workdir / "llama-vulkan")
     # A machine's speed moves from one minute to the next (here two shared cores, whose speed is lavapipe's: the same
     # run of llama-server makes 11 tokens/s in one minute and 15 in the next): tokens/s from another run, or a fixed
     # number, would judge the machine's mood, not the layer. So both modes run in this one run, in rounds of one run

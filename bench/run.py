@@ -43,6 +43,7 @@ from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.kubelet.emulator import KubeletEmulator, PluginEndpoint
 from gpuppetti.kubelet.sandbox import vulkan_icd
+from gpuppetti.layer.ledger import SOCKET_NAME, Ledgers, Terms
 from gpuppetti.layer.vulkan import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics
@@ -314,10 +315,11 @@ SCRAPE_GOAL_MS = 250.0
 
 
 async def bench_slice_metrics(workdir: Path, figures: list[Figure]) -> None:
-    """A /metrics scrape with 1,000 allocations held to slices: every accounting file is read at scrape time."""
+    """A /metrics scrape with 1,000 allocations held to slices: every ledger is read at scrape time."""
     layer = LayerDir(workdir / "scrape-vulkan")
     layer.install()
-    enforcer = Enforcer(layer, workdir / "no-pod-resources.sock")
+    ledgers = Ledgers(layer.ledgers)
+    enforcer = Enforcer(layer, ledgers, workdir / "no-pod-resources.sock")
     gpu = SimulatedBackend(parse_config(plugin_config(10), "bench").simulated).discover()[0]
     for n in range(SCRAPE_ALLOCATIONS):
         await enforcer.allocate([Unit(replica_unit_id(gpu.id, n), gpu.id, "apple.com/gpu", SCRAPE_ALLOCATIONS, n)],
@@ -333,7 +335,8 @@ async def bench_slice_metrics(workdir: Path, figures: list[Figure]) -> None:
     series = page.count(b"gpuppetti_slice_memory_used_bytes{")
     figures.append(Figure(f"/metrics scrape with {SCRAPE_ALLOCATIONS:,} allocations held to slices", median, "ms",
                           f"≤ {SCRAPE_GOAL_MS:g} ms", median <= SCRAPE_GOAL_MS,
-                          f"{series} slices read from their accounting files, {len(page):,} bytes"))
+                          f"{series} slices read from their ledgers, {len(page):,} bytes"))
+    ledgers.close_all()
 
 
 async def bench_list_building(figures: list[Figure]) -> None:
@@ -576,10 +579,11 @@ async def bench_vulkan_layer(workdir: Path, figures: list[Figure]) -> None:
     document = json.loads((layer.path / "VkLayer_gpuppetti.json").read_text())
     document["layer"]["library_path"] = str(layer.path / LIBRARY)
     (workdir / "vulkan" / "explicit" / "VkLayer_gpuppetti.json").write_text(json.dumps(document))
-    layer.create("bench", [1 << 40])
+    ledgers = Ledgers(layer.ledgers)
+    await ledgers.open("bench", [Terms(1 << 40)])
     with_layer = {**os.environ, "VK_LAYER_PATH": str(workdir / "vulkan" / "explicit"),
                   "VK_INSTANCE_LAYERS": LAYER_NAME, "GPUPPETTI_VK_SLICES": f"any={1 << 40}",
-                  "GPUPPETTI_VK_ACCOUNTING": str(layer.allocations / "bench")}
+                  "GPUPPETTI_VK_LEDGER": str(ledgers.directory("bench") / SOCKET_NAME)}
     without = {key: value for key, value in os.environ.items() if not key.startswith(("VK_", "GPUPPETTI_VK"))}
     samples: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
     for _ in range(LAYER_ROUNDS):
@@ -597,6 +601,7 @@ async def bench_vulkan_layer(workdir: Path, figures: list[Figure]) -> None:
                               added < LAYER_GOAL_NS, f"p50 {layered:,.0f} ns with the layer, {base:,.0f} ns "
                               f"without, lavapipe, {LAYER_ROUNDS} interleaved rounds of {LAYER_CALLS:,} calls"))
     await _bench_compute_share(probe, with_layer, figures)
+    ledgers.close_all()
 
 
 COMPUTE_SHARES, COMPUTE_ROUNDS, COMPUTE_SECONDS, COMPUTE_GOAL = (500, 250), 3, 2, 0.10

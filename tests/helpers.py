@@ -9,7 +9,6 @@ import gc
 import io
 import os
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -250,17 +249,3 @@ def machine_lock(path: Path, waiting: str) -> Iterator[None]:
             print(f"{waiting} (lock {path})", file=sys.stderr)
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
-
-
-def hold_slice(accounting: Path, used: int, waited_ns: int = 0) -> IO[bytes]:
-    """What a live process of a container writes in its slice's accounting file: the slice's total, its slot's
-    part and its submits' waiting, and the lock on its slot that says it lives. The lock lasts while the returned
-    file is open: close it and the process is gone."""
-    from gpuppetti.layer.vulkan import ACCT_LOCK_BASE, ACCT_SLOT_BYTES_OFFSET, ACCT_WAITED_OFFSET
-
-    acct = open(accounting, "r+b")  # noqa: SIM115 (kept open by the caller: the lock)
-    for offset, value in ((24, used), (ACCT_SLOT_BYTES_OFFSET, used), (ACCT_WAITED_OFFSET, waited_ns)):
-        os.pwrite(acct.fileno(), struct.pack("<q", value), offset)
-    fcntl.fcntl(acct.fileno(), fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, ACCT_LOCK_BASE,
-                                                              1, 0))
-    return acct

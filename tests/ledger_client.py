@@ -6,13 +6,18 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import secrets
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gpuppetti.core.model import ContainerEdits
 from gpuppetti.layer.ledger import (
     ANSWER,
     DECLARE,
@@ -37,6 +42,8 @@ from gpuppetti.layer.ledger import (
     SliceUse,
     Terms,
 )
+from gpuppetti.layer.vulkan import LayerDir, terms
+from gpuppetti.sharing.budgets import Budget
 
 T = TypeVar("T")
 
@@ -176,3 +183,69 @@ class LedgerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+class LedgerProcess:
+    """One allocation's ledger served by a process of its own (``python -m gpuppetti.layer.ledger serve``), for
+    tests and tools that wait on their workloads with blocking calls; stop() ends it (or use it as a context)."""
+
+    def __init__(self, directory: Path, budgets: Sequence[int], compute: Sequence[int] = ()) -> None:
+        self.directory = directory
+        args = [sys.executable, "-m", "gpuppetti.layer.ledger", "serve", str(directory),
+                "--budgets", ",".join(str(budget) for budget in budgets)]
+        if compute:
+            args += ["--compute", ",".join(str(share) for share in compute)]
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line.startswith("serving"):
+            self.process.kill()
+            raise RuntimeError(f"the ledger did not start: {line!r}")
+
+    def observer(self) -> Process:
+        """A connection that holds nothing, to read the slices' figures from the shared page."""
+        return Process(self.directory)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> LedgerProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+class ServedLayer:
+    """An installed layer directory whose allocations' ledgers are served in a thread (LedgerThread), as a daemon
+    serves them: what a test, a tool or the bench hands a workload that it then waits on with blocking calls."""
+
+    def __init__(self, path: Path, built: Path | None = None) -> None:
+        self.layer = LayerDir(path)
+        if built is None:
+            self.layer.install()
+        else:
+            self.layer.install(built)
+        self.served = LedgerThread(self.layer.ledgers)
+
+    def allocation(self, budgets: Sequence[Budget]) -> tuple[str, ContainerEdits]:
+        """A fresh allocation held to ``budgets``: its name, and its container's edits."""
+        name = f"t-{secrets.token_hex(4)}"
+        self.served.open(name, terms(budgets))
+        return name, self.layer.edits(name, budgets)
+
+    def host_env(self, name: str, edits: ContainerEdits) -> dict[str, str]:
+        """The edits' env for a process of this host (no container): the ledger named where it is here."""
+        return {**edits.env, "GPUPPETTI_VK_LEDGER": str(self.layer.ledgers / name / SOCKET_NAME)}
+
+    def usage(self, name: str) -> list[SliceUse]:
+        return self.served.usage(name)
+
+    def stop(self) -> None:
+        self.served.stop()

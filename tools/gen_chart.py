@@ -92,14 +92,9 @@ tolerations:
 {_yaml(default.tolerations)}
 resources:
 {_yaml(default.resources, 2)}
-# Where the Vulkan layer that enforces slices is installed on each node, and each allocation's accounting kept
+# Where the Vulkan layer that enforces slices is installed on each node, and each allocation's ledger served
 # (docs/enforced-slices.md); empty turns enforcement off.
 vulkanLayerDir: {default.vulkan_layer_dir}
-
-# Run the daemon privileged, the layer directory's mount Bidirectional, so that each allocation directory is a tmpfs
-# of its own and no container can fill the node's disk through it (`--bound-allocation-dirs`). The nodes' layer
-# directory must be on a shared mount (docs/enforced-slices.md).
-boundAllocationDirs: {str(default.bound_allocation_dirs).lower()}
 """
 
 
@@ -238,6 +233,7 @@ def values_schema() -> dict[str, Any]:
             "vulkanLayerDir": {"type": "string", "pattern": r"^(/[^\x00-\x1f\x7f]*)?$",
                                "not": {"pattern": r"(^|/)\.\.(/|$)"},
                                "description": "an absolute path on the node, or empty to turn enforcement off"},
+            # Accepted for one more release; NOTES.txt says it no longer does anything.
             "boundAllocationDirs": {"type": "boolean"},
         },
         "required": ["mode", "image"],

@@ -19,7 +19,6 @@ import array
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
@@ -27,11 +26,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gpuppetti.layer.vulkan import BUILT, LIBRARY, MANIFEST, PROBE, LayerDir, manifest
+from gpuppetti.core.model import Gpu, Vendor
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, MANIFEST, PROBE, manifest
+from gpuppetti.sharing.budgets import Budget
 from tests.apps.wgpu_app import values
+from tests.ledger_client import ServedLayer
 
 MIB = 2**20
 SLICE = 256 * MIB
+# The slice is of whatever Vulkan device the first is: selected as "any", as a simulated GPU's is.
+GPU = Gpu(id="gpu-check", index=0, vendor=Vendor.VIRTIO, model="the first Vulkan device", backend="simulated",
+          simulated=True)
 WGPU_APP = Path(__file__).resolve().parents[1] / "tests" / "apps" / "wgpu_app.py"
 
 
@@ -47,20 +52,18 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300
     return result
 
 
-def layer_env(root: Path) -> dict[str, str]:
-    """An installed layer, an allocation of one SLICE-sized slice of the first GPU, and the env that runs under it."""
-    layer = LayerDir(root / "vulkan")
-    layer.install()
+def layer_env(root: Path) -> tuple[dict[str, str], ServedLayer]:
+    """An installed layer, an allocation of one SLICE-sized slice of the first GPU served as a daemon serves it, and
+    the env that runs under it (stop the ServedLayer after)."""
+    served = ServedLayer(root / "vulkan")
     # The manifest as in a container, but naming the library where it is on this host.
     implicit = root / "data" / "vulkan" / "implicit_layer.d"
     implicit.mkdir(parents=True)
     document: dict[str, Any] = manifest()
-    document["layer"]["library_path"] = str(layer.path / LIBRARY)
+    document["layer"]["library_path"] = str(served.layer.path / LIBRARY)
     (implicit / MANIFEST).write_text(json.dumps(document, indent=2))
-    name = f"gpu-check-{secrets.token_hex(4)}"
-    directory = layer.create(name, [SLICE])
-    return {**os.environ, "XDG_DATA_HOME": str(root / "data"), "GPUPPETTI_VK_SLICES": f"any={SLICE}",
-            "GPUPPETTI_VK_ACCOUNTING": str(directory), "GPUPPETTI_LIMITS": "vulkan"}
+    name, edits = served.allocation([Budget(GPU, SLICE)])
+    return {**os.environ, "XDG_DATA_HOME": str(root / "data"), **served.host_env(name, edits)}, served
 
 
 def check_layer(env: dict[str, str], probe: Path) -> bool:
@@ -131,10 +134,13 @@ def main() -> int:
         print("FAILED: this installation has no built Vulkan layer (make native)")
         return 1
     with tempfile.TemporaryDirectory(prefix="gpuppetti-gpu-check-") as directory:
-        env = layer_env(Path(directory))
-        failed |= not check_layer(env, Path(directory) / "vulkan" / PROBE)
-        step(f"a real application inside the {SLICE // MIB} MiB slice: wgpu")
-        failed |= check_wgpu(env, shutil.which(args.wgpu_python) or args.wgpu_python) is False
+        env, served = layer_env(Path(directory))
+        try:
+            failed |= not check_layer(env, Path(directory) / "vulkan" / PROBE)
+            step(f"a real application inside the {SLICE // MIB} MiB slice: wgpu")
+            failed |= check_wgpu(env, shutil.which(args.wgpu_python) or args.wgpu_python) is False
+        finally:
+            served.stop()
     print("\ngpu-check: " + ("FAILED" if failed else "passed"))
     return 1 if failed else 0
 

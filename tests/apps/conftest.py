@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuppetti.layer.vulkan import LayerDir
 from tests.apps.support import CannotRun, app_venv, python_image, why_not_here
+from tests.ledger_client import ServedLayer
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,10 @@ def python_app(venv_python: Path) -> PythonApp:
 
 
 @pytest.fixture
-def layer(tmp_path: Path) -> Iterator[LayerDir]:
-    """The layer installed as a daemon installs it, in a directory of this test's own."""
+def layer(tmp_path: Path) -> Iterator[ServedLayer]:
+    """The layer installed as a daemon installs it, in a directory of this test's own, its allocations' ledgers
+    served as a daemon serves them."""
     can_run()
-    installed = LayerDir(tmp_path / "vulkan")
-    installed.install()
+    installed = ServedLayer(tmp_path / "vulkan")
     yield installed
+    installed.stop()

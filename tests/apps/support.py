@@ -33,8 +33,9 @@ from typing import Any
 
 from gpuppetti.core.model import ContainerEdits, Gpu, Vendor
 from gpuppetti.kubelet.sandbox import PODMAN_FLAGS, RUN_FLAGS, VULKAN_IMAGE, PodmanSandbox
-from gpuppetti.layer.vulkan import BUILT, LIBRARY, PROBE, LayerDir
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, PROBE
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
+from tests.ledger_client import ServedLayer
 
 MIB = 2**20
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpuppetti" / "apps"
@@ -309,12 +310,11 @@ def run(image: str, flags: Sequence[str], argv: Sequence[str], timeout: float = 
     return Ran(done.returncode, done.stdout, done.stderr, time.monotonic() - started)
 
 
-def slice_edits(layer: LayerDir, memory: int, compute: int = WHOLE_COMPUTE) -> ContainerEdits:
+def slice_edits(layer: ServedLayer, memory: int, compute: int = WHOLE_COMPUTE) -> ContainerEdits:
     """What a container given a slice of ``memory`` bytes (and ``compute`` thousandths of the GPU's time) gets, as
-    the daemons hand it out (a fresh allocation)."""
-    name = f"apps-{secrets.token_hex(4)}"
-    layer.create(name, [memory])
-    return layer.edits(name, [Budget(SIMULATED, memory, compute)])
+    the daemons hand it out (a fresh allocation, its ledger served)."""
+    _, edits = layer.allocation([Budget(SIMULATED, memory, compute)])
+    return edits
 
 
 def without_slices(edits: ContainerEdits) -> ContainerEdits:

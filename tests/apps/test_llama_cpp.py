@@ -25,7 +25,6 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits
 from gpuppetti.kubelet.sandbox import podman_flags
-from gpuppetti.layer.vulkan import LayerDir
 from tests.apps.conftest import can_run
 from tests.apps.support import (
     MIB,
@@ -38,6 +37,7 @@ from tests.apps.support import (
     shader_cache,
     slice_edits,
 )
+from tests.ledger_client import ServedLayer
 
 pytestmark = [pytest.mark.apps, pytest.mark.timeout(600)]
 
@@ -101,11 +101,11 @@ def models(venv_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Model
 
 
 @pytest.fixture(scope="module")
-def module_layer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LayerDir]:
+def module_layer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedLayer]:
     can_run()
-    installed = LayerDir(tmp_path_factory.mktemp("layer") / "vulkan")
-    installed.install()
+    installed = ServedLayer(tmp_path_factory.mktemp("layer") / "vulkan")
     yield installed
+    installed.stop()
 
 
 def script(server: Path, tokens: int, model: str = IN_CONTAINER) -> str:
@@ -181,7 +181,7 @@ def vulkan_buffer_mib(ran: Ran, kind: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def inside(llama: Llama, models: Models, module_layer: LayerDir) -> Ran:
+def inside(llama: Llama, models: Models, module_layer: ServedLayer) -> Ran:
     """The small model, in a container given the slice."""
     return generate(llama, slice_edits(module_layer, SLICE), models.small, TOKENS)
 
@@ -215,7 +215,7 @@ def test_inside_a_slice_a_model_that_fits_runs_on_the_gpu_and_says_the_same(insi
 
 
 def test_past_the_slice_a_larger_model_fails_with_llama_cpps_own_out_of_memory_error(
-        llama: Llama, models: Models, module_layer: LayerDir) -> None:
+        llama: Llama, models: Models, module_layer: ServedLayer) -> None:
     refused = generate(llama, slice_edits(module_layer, SLICE), models.large, 2)
     assert not refused.signalled, f"llama.cpp crashed ({refused.code}):\n{log(refused)}"
     assert refused.code == 1, log(refused)
@@ -250,7 +250,7 @@ def completion_rate(ran: Ran) -> float:
 
 
 def test_a_compute_share_holds_llama_cpp_to_its_part_of_the_gpus_time(
-        llama: Llama, models: Models, module_layer: LayerDir, inside: Ran, alone: Ran) -> None:
+        llama: Llama, models: Models, module_layer: ServedLayer, inside: Ran, alone: Ran) -> None:
     """llama.cpp's work on lavapipe is the GPU's all but a few percent (its tokens/s follow the GPU's time), so with
     half the GPU's time it makes about half as many tokens a second, and the same tokens."""
     shared = generate(llama, slice_edits(module_layer, SLICE, SHARE), models.small, TOKENS)

@@ -18,9 +18,9 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits
 from gpuppetti.kubelet.sandbox import podman_flags
-from gpuppetti.layer.vulkan import LayerDir
 from tests.apps.conftest import PythonApp
 from tests.apps.support import MIB, WGPU, bind, run, slice_edits, without_slices
+from tests.ledger_client import ServedLayer
 
 pytestmark = [pytest.mark.apps, pytest.mark.timeout(600)]
 
@@ -49,7 +49,7 @@ def doubled(mib: int, seed: int) -> str:
     return hashlib.sha256(array.array("I", ((value * 2) & 0xFFFFFFFF for value in data)).tobytes()).hexdigest()
 
 
-def test_inside_a_slice_wgpu_sees_the_slice_as_its_gpu(python_app: PythonApp, layer: LayerDir) -> None:
+def test_inside_a_slice_wgpu_sees_the_slice_as_its_gpu(python_app: PythonApp, layer: ServedLayer) -> None:
     inside = wgpu(python_app, slice_edits(layer, SLICE), "info")
     alone = wgpu(python_app, None, "info")
     assert inside["wgpu"] == WGPU.partition("==")[2]
@@ -63,7 +63,7 @@ def test_inside_a_slice_wgpu_sees_the_slice_as_its_gpu(python_app: PythonApp, la
     assert alone["limits"]["max-buffer-size"] > SLICE
 
 
-def test_inside_a_slice_a_compute_shader_is_right(python_app: PythonApp, layer: LayerDir) -> None:
+def test_inside_a_slice_a_compute_shader_is_right(python_app: PythonApp, layer: ServedLayer) -> None:
     seed = secrets.randbelow(2**31)
     # 16 MiB in, 16 MiB out, and wgpu's staging buffers: well inside the slice.
     report = wgpu(python_app, slice_edits(layer, SLICE), "double", "--mib", "16", "--seed", str(seed))
@@ -72,7 +72,7 @@ def test_inside_a_slice_a_compute_shader_is_right(python_app: PythonApp, layer: 
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["storage", "mapped-at-creation"])
-def test_past_the_slice_wgpu_reports_its_own_out_of_memory_error(python_app: PythonApp, layer: LayerDir,
+def test_past_the_slice_wgpu_reports_its_own_out_of_memory_error(python_app: PythonApp, layer: ServedLayer,
                                                                  mapped: bool) -> None:
     seed = secrets.randbelow(2**31)
     fill = f"{python_app.python} {IN_CONTAINER} fill --chunk 16 --limit {4 * SLICE // MIB} --seed {seed}"
@@ -101,7 +101,7 @@ def test_past_the_slice_wgpu_reports_its_own_out_of_memory_error(python_app: Pyt
 
 
 def test_past_the_slice_one_buffer_larger_than_it_is_refused_by_wgpus_limit(python_app: PythonApp,
-                                                                            layer: LayerDir) -> None:
+                                                                            layer: ServedLayer) -> None:
     seed = secrets.randbelow(2**31)
     report = wgpu(python_app, slice_edits(layer, SLICE), "fill", "--chunk", str(2 * SLICE // MIB),
                   "--limit", str(2 * SLICE // MIB), "--seed", str(seed))
@@ -113,7 +113,7 @@ def test_past_the_slice_one_buffer_larger_than_it_is_refused_by_wgpus_limit(pyth
 
 
 @pytest.mark.parametrize("mounted", [True, False], ids=["layer-without-its-env", "no-layer"])
-def test_without_a_slice_wgpu_runs_as_without_the_layer(python_app: PythonApp, layer: LayerDir,
+def test_without_a_slice_wgpu_runs_as_without_the_layer(python_app: PythonApp, layer: ServedLayer,
                                                         mounted: bool) -> None:
     edits = without_slices(slice_edits(layer, SLICE)) if mounted else None
     seed = secrets.randbelow(2**31)
@@ -132,7 +132,7 @@ SHARE_BAND = (0.35, 0.65)
 
 
 @pytest.mark.parametrize("queued", [False, True], ids=["a-frame-at-a-time", "all-queued-at-once"])
-def test_a_compute_share_holds_wgpu_to_its_part_of_the_gpus_time(python_app: PythonApp, layer: LayerDir,
+def test_a_compute_share_holds_wgpu_to_its_part_of_the_gpus_time(python_app: PythonApp, layer: ServedLayer,
                                                                  queued: bool) -> None:
     """wgpu's own timestamps, which the layer never sees, over the time from its first submit to its last read: the
     part of it the GPU spent on wgpu's work, with half the GPU's time and with all of it (the layer loaded, no

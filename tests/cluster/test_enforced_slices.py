@@ -16,7 +16,7 @@ import pytest
 
 from gpuppetti.kubelet.sandbox import VULKAN_IMAGE, PodmanSandbox, vulkan_icd
 from gpuppetti.layer.vulkan import BUILT, LIBRARY
-from tests.cluster.realnode import BUSYBOX, RealNode, wait_for, write_config
+from tests.cluster.realnode import RealNode, wait_for, write_config
 from tests.cluster.test_dra import classes, template
 from tests.cluster.test_dra import start as start_driver
 from tests.helpers import run_cli
@@ -136,41 +136,3 @@ def test_top_shows_the_pods_holding_memory(node: RealNode, workdir: Path, vulkan
     assert table.returncode == 0, table.stderr
     assert all(len(line) <= 80 for line in table.stdout.splitlines())
     assert any("default/holder/vk" in line and "256 MiB" in line for line in table.stdout.splitlines())
-
-
-# What a tenant tries in its allocation's directory: 256 MiB in one file, then 200,000 files.
-FILL = ("dd if=/dev/zero of=/run/gpuppetti/vulkan/big bs=1M count=256 2>&1; rm -f /run/gpuppetti/vulkan/big; "
-        "i=0; while [ $i -lt 200000 ]; do touch /run/gpuppetti/vulkan/f$i || break; i=$((i+1)); done; "
-        "echo made=$i; df -k /run/gpuppetti/vulkan | tail -1")
-
-
-def test_a_container_cannot_fill_the_disk_through_its_allocation_directory(node: RealNode, workdir: Path) -> None:
-    # The layer directory on a shared mount, as a DaemonSet's volume with mountPropagation Bidirectional (and a
-    # systemd host's /) is: the daemon's mounts there reach containerd.
-    layer = node.dir / "vulkan-shared"
-    layer.mkdir(exist_ok=True)
-    subprocess.run(["mount", "--bind", str(layer), str(layer)], check=True, capture_output=True)
-    try:
-        subprocess.run(["mount", "--make-shared", str(layer)], check=True, capture_output=True)
-        path = write_config(workdir, "plugin.yaml", PLUGIN)
-        daemon = node.gpuppetti("gpuppetti-plugin", "plugin", "--config", str(path), "--http-address",
-                                "127.0.0.1:0", "--vulkan-layer-dir", str(layer))
-        daemon.wait_ready()
-        daemon.wait_log("each allocation directory is a tmpfs of its own")
-        node.wait_allocatable("apple.com/gpu", 4)
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "filler"}, "spec": {
-            "restartPolicy": "Never", "containers": [{
-                "name": "fill", "image": BUSYBOX, "imagePullPolicy": "Never", "command": ["sh", "-c", FILL],
-                "resources": {"limits": {"apple.com/gpu": 1}}}]}}
-        node.apply([pod])
-        wait_for("pod filler Succeeded", lambda: node.phase("filler") in ("Succeeded", "Failed"), 180)
-        output = node.logs("filler")
-        assert "No space left on device" in output, output
-        assert "made=" in output, output
-        made = int(output.split("made=", 1)[1].split()[0])
-        assert made < 100, output
-        # The tmpfs: its size in KiB (df's second column) is that of the accounting files and a small margin.
-        assert int(output.strip().splitlines()[-1].split()[1]) <= 1024, output
-    finally:
-        node.delete("pods", "--all", "-n", "default", "--grace-period=0", "--force")
-        subprocess.run(["umount", "-R", "-l", str(layer)], capture_output=True)

@@ -66,8 +66,9 @@ async def test_pods_get_their_slices_and_env(
         "GPUPPETTI_ENFORCED_BY": "none",
     }
     if "GPUPPETTI_VK_SLICES" in env:  # where the Vulkan layer is built: a quarter of 48 GiB, enforced
-        expected |= {"GPUPPETTI_VK_SLICES": f"any={12 * 2**30}", "GPUPPETTI_VK_ACCOUNTING": "/run/gpuppetti/vulkan",
-                     "GPUPPETTI_LIMITS": "vulkan", "GPUPPETTI_ENFORCED_BY": "vulkan-layer"}
+        expected |= {"GPUPPETTI_VK_SLICES": f"any={12 * 2**30}",
+                     "GPUPPETTI_VK_LEDGER": "/run/gpuppetti/vulkan/ledger.sock", "GPUPPETTI_LIMITS": "vulkan",
+                     "GPUPPETTI_ENFORCED_BY": "vulkan-layer"}
     assert env == expected
 
     pair = (await kubelet.admit(Pod.simple("pair", APPLE, 2)))[0]

@@ -1,15 +1,14 @@
 """Enforced slices through both front ends: what the device plugin's Allocate and the DRA driver's CDI spec give a
-container, the allocation directories they keep and remove, and (where podman and lavapipe are here) what such a
-container then obtains."""
+container (nothing writable from the node), the ledgers they serve, keep across a restart and close, and (where
+podman and lavapipe are here) what such a container then obtains."""
 
 from __future__ import annotations
 
-import fcntl
+import asyncio
 import json
 import os
-import shutil
 import signal
-import struct
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,18 +21,13 @@ from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.kubelet.sandbox import PodmanSandbox
-from gpuppetti.layer.vulkan import (
-    ACCT_LOCK_BASE,
-    ACCT_NOT_BEFORE_OFFSET,
-    ACCT_SLOT_BYTES_OFFSET,
-    BUILT,
-    LIBRARY,
-    LayerDir,
-)
+from gpuppetti.layer.ledger import Ledgers
+from gpuppetti.layer.vulkan import BUILT, LIBRARY, LayerDir
 from gpuppetti.sharing.budgets import Budget
 from tests.dra_support import DRIVER, Cluster
 from tests.e2e.test_vulkan_layer import SIMULATED, vkinfo, why_not_here
-from tests.helpers import Daemon, replicas, short_tmpdir
+from tests.helpers import Daemon, PluginProcess, replicas, short_tmpdir
+from tests.ledger_client import Process
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not (BUILT / LIBRARY).exists(),
@@ -65,7 +59,18 @@ def _edits_of(response: Any) -> ContainerEdits:
     return edits
 
 
-async def test_the_plugin_gives_each_container_its_slices(
+def _ledger_directories(layer: LayerDir) -> set[str]:
+    return {entry.name for entry in layer.ledgers.iterdir()}
+
+
+def _only_the_daemons(directory: Path) -> None:
+    """An allocation's directory on the node: root's, 0755, holding the daemon's socket and nothing else."""
+    info = os.lstat(directory)
+    assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o755) or os.geteuid() != 0
+    assert [entry.name for entry in directory.iterdir()] == ["ledger.sock"]
+
+
+async def test_the_plugin_gives_each_container_its_slices_and_nothing_writable(
     kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path
 ) -> None:
     plugin = start_plugin(SMALL)
@@ -74,20 +79,50 @@ async def test_the_plugin_gives_each_container_its_slices(
     [one] = await kubelet.admit(Pod.simple("one", "apple.com/gpu", 1))
     [two] = await kubelet.admit(Pod.simple("two", "apple.com/gpu", 2))
     assert one.response.envs["GPUPPETTI_VK_SLICES"] == f"any={512 * MIB}"
+    assert one.response.envs["GPUPPETTI_VK_LEDGER"] == "/run/gpuppetti/vulkan/ledger.sock"
     # Distributed: one slice on each GPU, each GPU's budget its own.
     assert two.response.envs["GPUPPETTI_VK_SLICES"] == f"any={512 * MIB},any={512 * MIB}"
     assert {m.container_path for m in one.response.mounts} == LAYER_MOUNTS
+    assert all(mount.read_only for answer in (one, two) for mount in answer.response.mounts)
     layer = LayerDir(plugin_dir.parent / "vulkan")
-    directories = layer.existing()
-    assert directories == {allocation_id(one.device_ids): sorted(one.device_ids),
-                           allocation_id(two.device_ids): sorted(two.device_ids)}
-    accounting = layer.allocations / allocation_id(two.device_ids)
-    assert sorted(p.name for p in accounting.glob("*.acct")) == ["slice-0.acct", "slice-1.acct"]
-    # The kubelet freed pod one; its units, allocated again, replace its directory.
+    assert _ledger_directories(layer) == {allocation_id(one.device_ids), allocation_id(two.device_ids)}
+    directory = layer.ledgers / allocation_id(two.device_ids)
+    _only_the_daemons(directory)
+    process = await asyncio.to_thread(Process, directory)
+    assert process.terms == [(512 * MIB, 1000), (512 * MIB, 1000)]
+    assert await asyncio.to_thread(process.reserve, 512 * MIB, 1)
+    assert not await asyncio.to_thread(process.reserve, 1, 1)
+    process.close()
+    # The kubelet freed pod one; its units, allocated again, are served by one ledger still.
     kubelet.release("one")
     [again] = await kubelet.admit(Pod.simple("again", "apple.com/gpu", 1))
     assert again.device_ids == one.device_ids
-    assert set(layer.existing()) == {allocation_id(again.device_ids), allocation_id(two.device_ids)}
+    assert _ledger_directories(layer) == {allocation_id(again.device_ids), allocation_id(two.device_ids)}
+
+
+async def test_a_plugin_restarted_under_a_running_workload_loses_nothing(
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., PluginProcess], plugin_dir: Path
+) -> None:
+    plugin = start_plugin_process(SMALL)
+    await kubelet.wait_registered("apple.com/gpu")
+    [one] = await kubelet.admit(Pod.simple("one", "apple.com/gpu", 1))
+    directory = LayerDir(plugin_dir.parent / "vulkan").ledgers / allocation_id(one.device_ids)
+    process = await asyncio.to_thread(Process, directory)
+    assert await asyncio.to_thread(process.reserve, 300 * MIB)
+    plugin.send(signal.SIGKILL)
+    await plugin.wait()
+    assert await asyncio.to_thread(process.sock.recv, 16) == b"", "the daemon's end is gone"
+    plugin = start_plugin_process(SMALL)
+    await kubelet.wait_registered("apple.com/gpu", count=2)
+    # The process reconnects and declares what it holds, as the layer does; the new daemon holds it to the budget.
+    back = await asyncio.to_thread(Process, directory)
+    back.declare(300 * MIB)
+    assert not await asyncio.to_thread(back.reserve, 212 * MIB + 1)
+    assert await asyncio.to_thread(back.reserve, 212 * MIB)
+    async with aiohttp.ClientSession() as session, session.get(f"{await plugin.http_url()}/v1/slices") as response:
+        slices = await response.json()
+    assert [(row["unit"], row["used_bytes"], row["budget_bytes"]) for row in slices] == [
+        (one.device_ids[0], 512 * MIB, 512 * MIB)]
 
 
 async def test_a_whole_gpu_gets_no_layer(
@@ -140,20 +175,24 @@ async def test_no_compute_shares_by_default(
     assert "GPUPPETTI_VK_COMPUTE" not in one.response.envs
 
 
-async def test_directories_of_units_the_kubelet_freed_go(tmp_path: Path) -> None:
+async def test_ledgers_of_units_the_kubelet_freed_close(tmp_path: Path) -> None:
     base = short_tmpdir()
     socket = base / "pod-resources" / "kubelet.sock"
     async with KubeletEmulator(base / "dp", pod_resources=socket) as kubelet:
         layer = LayerDir(tmp_path / "vulkan")
         layer.install()
-        enforcer = Enforcer(layer, socket, grace=0)
+        enforcer = Enforcer(layer, Ledgers(layer.ledgers), socket, grace=0)
         await enforcer.start(set())
         budgets = [Budget(SIMULATED, 512 * MIB)]
         await enforcer.allocate(replicas("gpu-0", 0), budgets)
         await enforcer.allocate(replicas("gpu-0", 1), budgets)
+        freed = await asyncio.to_thread(Process, layer.ledgers / allocation_id(["gpu-0::0"]))
         kubelet.allocations.append(ContainerAllocation("still", "c", "apple.com/gpu", ["gpu-0::1"], None, None))  # type: ignore[arg-type]
         await enforcer.check()
-        assert set(layer.existing()) == {allocation_id(["gpu-0::1"])}, "gpu-0::0 is assigned to no container"
+        assert _ledger_directories(layer) == {allocation_id(["gpu-0::1"])}, "gpu-0::0 is assigned to no container"
+        assert set(layer.read_records()) == {allocation_id(["gpu-0::1"])}
+        assert await asyncio.to_thread(freed.sock.recv, 16) == b""
+        enforcer.ledgers.close_all()
 
 
 def _spec(cluster: Cluster, uid: str) -> dict[str, Any]:
@@ -199,49 +238,41 @@ async def test_the_dra_driver_puts_the_claims_memory_in_its_cdi_spec(
         return
     assert edits.env["GPUPPETTI_VK_SLICES"] == f"any={memory}"
     assert {m.container_path for m in edits.mounts} == LAYER_MOUNTS
-    assert set(layer.existing()) == {f"dra-{claim.uid}-gpu"}
-    acct = layer.allocations / f"dra-{claim.uid}-gpu" / "slice-0.acct"
-    # A driver killed and started again keeps what running containers counted, and forgets the time before which
-    # the slice may not submit (from a clock that a reboot would have started again).
-    data = bytearray(acct.read_bytes())
-    data[24:32] = (123).to_bytes(8, "little")
-    data[ACCT_SLOT_BYTES_OFFSET:ACCT_SLOT_BYTES_OFFSET + 8] = (123).to_bytes(8, "little")
-    data[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] = (10**18).to_bytes(8, "little")
-    acct.write_bytes(bytes(data))
-    # /metrics says what the claim's live containers hold of its slice: slot 0's, while this process holds its lock
-    # as a process of the layer does.
-    with acct.open("r+b") as live:
-        fcntl.fcntl(live.fileno(), fcntl.F_OFD_SETLK,
-                    struct.pack("@hhqqi4x", fcntl.F_RDLCK, os.SEEK_SET, ACCT_LOCK_BASE, 1, 0))
-        async with aiohttp.ClientSession() as session, session.get(f"{await driver.http_url()}/metrics") as response:
-            metrics = await response.text()
+    assert all(mount.read_only for mount in edits.mounts)
+    assert _ledger_directories(layer) == {f"dra-{claim.uid}-gpu"}
+    directory = layer.ledgers / f"dra-{claim.uid}-gpu"
+    _only_the_daemons(directory)
+    process = await asyncio.to_thread(Process, directory)
+    assert await asyncio.to_thread(process.reserve, 123)
+    async with aiohttp.ClientSession() as session, session.get(f"{await driver.http_url()}/metrics") as response:
+        metrics = await response.text()
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                if line.startswith("gpuppetti_slice_")}
     # Who holds it: the claim's namespace and the pod it is reserved for (a claim's containers are not named).
     labels = f'container="",gpu="sim-apple-0",namespace="default",pod="layered-pod",unit="{result["device"]}"'
     assert samples[f"gpuppetti_slice_memory_used_bytes{{{labels}}}"] == 123
     assert samples[f"gpuppetti_slice_memory_budget_bytes{{{labels}}}"] == memory
-    # The plan is checkpointed whole: the claim's directories and their budgets, by request.
+    # The plan is checkpointed whole: the claim's ledgers and their budgets, by request.
     record = json.loads((cluster.plugin_dir / "checkpoint.json").read_text())["claims"][claim.uid]
     assert record["layer_allocations"] == {f"dra-{claim.uid}-gpu": [memory]}
     # A directory no claim of the checkpoint names (another claim's, left by a crash) goes at the next start.
-    foreign = layer.create(f"dra-{claim.uid[:-4]}beef-gpu", [1])
+    foreign = layer.ledgers / f"dra-{claim.uid[:-4]}beef-gpu"
+    foreign.mkdir()
     driver.send(signal.SIGKILL)
     await driver.wait()
+    assert await asyncio.to_thread(process.sock.recv, 16) == b""
     driver = cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n", own_process=True)
     await cluster.kubelet.wait_registered(DRIVER, count=2)
-    assert int.from_bytes(acct.read_bytes()[24:32], "little") == 123
-    assert acct.read_bytes()[ACCT_NOT_BEFORE_OFFSET:ACCT_NOT_BEFORE_OFFSET + 8] == bytes(8)
     assert not foreign.exists()
-    # Lost (a wiped disk): made again from the checkpointed plan, with the request's budget.
-    shutil.rmtree(acct.parent)
-    driver.send(signal.SIGKILL)
-    await driver.wait()
-    cluster.start_driver(DRA_SMALL + f"dra: {{slicing: {slicing}, partitions: [4]}}\n")
-    await cluster.kubelet.wait_registered(DRIVER, count=3)
-    assert int.from_bytes(acct.read_bytes()[16:24], "little") == memory
+    # The claim's ledger is served again, with the request's budget; its process declares what it holds.
+    back = await asyncio.to_thread(Process, directory)
+    assert back.terms == [(memory, 0)]
+    back.declare(123)
+    assert not await asyncio.to_thread(back.reserve, memory - 122)
+    assert await asyncio.to_thread(back.reserve, memory - 123)
     assert (await cluster.kubelet.unprepare([claim], [DRIVER]))[DRIVER][claim.uid].error == ""
-    assert layer.existing() == {}, "unprepared: its directory goes"
+    assert _ledger_directories(layer) == set(), "unprepared: its ledger goes"
+    assert await asyncio.to_thread(back.sock.recv, 16) == b""
 
 
 @pytest.mark.parametrize(("slicing", "result", "compute"), [

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,8 +21,10 @@ from typing import Any
 import pytest
 
 from gpuppetti.core.model import Gpu, Vendor
-from gpuppetti.layer.vulkan import LIBRARY, PROBE, LayerDir, manifest
+from gpuppetti.layer.vulkan import LIBRARY, PROBE, manifest
 from gpuppetti.sharing.budgets import Budget
+from tests.helpers import short_tmpdir
+from tests.ledger_client import ServedLayer
 
 pytestmark = pytest.mark.e2e
 
@@ -68,14 +69,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def probe(built: Path, tmp_path: Path, budgets: list[int], *args: str) -> dict[str, Any]:
     """gpuppetti-vkinfo for aarch64 under qemu, on the arm64 lavapipe, under the aarch64 layer (an implicit layer, as
-    in a container), held to ``budgets`` through an allocation's accounting as the daemons make it."""
-    layer = LayerDir(tmp_path / "vulkan")
-    layer.install(built)
-    name = f"t-{secrets.token_hex(4)}"
-    layer.create(name, budgets)
+    in a container), held to ``budgets`` by an allocation's ledger served as the daemons serve it."""
+    served = ServedLayer(short_tmpdir() / "vulkan", built)
+    layer = served.layer
+    name, edits = served.allocation([Budget(GPU, budget) for budget in budgets])
     env = {key: value for key, value in os.environ.items() if not key.startswith(("VK_", "GPUPPETTI_"))}
-    env.update(layer.edits(name, [Budget(GPU, budget) for budget in budgets]).env)
-    env["GPUPPETTI_VK_ACCOUNTING"] = str(layer.allocations / name)
+    env.update(served.host_env(name, edits))
     layers = tmp_path / "data" / "vulkan" / "implicit_layer.d"
     layers.mkdir(parents=True)
     document: Any = manifest()
@@ -83,8 +82,11 @@ def probe(built: Path, tmp_path: Path, budgets: list[int], *args: str) -> dict[s
     (layers / "VkLayer_gpuppetti.json").write_text(json.dumps(document))
     env.update(XDG_DATA_HOME=str(tmp_path / "data"), XDG_DATA_DIRS="/nonexistent", XDG_CONFIG_DIRS="/nonexistent",
                VK_DRIVER_FILES=str(ARM64_LAVAPIPE), VK_ICD_FILENAMES=str(ARM64_LAVAPIPE))
-    result = subprocess.run([QEMU, "-L", "/", str(layer.path / PROBE), "--json", *args], env=env, capture_output=True,
-                            text=True, timeout=120, check=False)
+    try:
+        result = subprocess.run([QEMU, "-L", "/", str(layer.path / PROBE), "--json", *args], env=env,
+                                capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        served.stop()
     assert result.returncode == 0, result.stderr[-3000:]
     report: dict[str, Any] = json.loads(result.stdout)
     return report
@@ -114,6 +116,6 @@ def test_the_aarch64_parsers_survive_fuzzing(tmp_path: Path) -> None:
     result = make("fuzz", tmp_path, "FUZZ_CC=", "SANITIZE=-g -O1", f"EMULATOR={QEMU} -L /", "FUZZ_SECONDS=2",
                   timeout=240)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    for target in ("slices", "compute", "accounting"):
+    for target in ("slices", "compute", "ledger"):
         assert f"fuzz-{target}: 2 s" in result.stdout
     assert result.stdout.count("no failure") == 3, result.stdout

@@ -15,7 +15,8 @@ import pytest
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from gpuppetti.layer.vulkan import BUILT, LIBRARY
-from tests.helpers import TWO_M3_MAX, Daemon, DaemonProcess, hold_slice, run_cli
+from tests.helpers import TWO_M3_MAX, Daemon, DaemonProcess, run_cli
+from tests.ledger_client import Process
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(not (BUILT / LIBRARY).exists(), reason="the Vulkan layer is not built here")]
@@ -36,7 +37,8 @@ async def test_top_shows_who_holds_each_slice_and_how_much(
                               if m.container_path == "/run/gpuppetti/vulkan"))
         assert layer_dir.name == allocation_id(allocation.device_ids)
         # A process of the container holding 3 GiB, alive until the figures are read.
-        live = hold_slice(layer_dir / "slice-0.acct", 3 * 1024 * MIB)
+        live = await asyncio.to_thread(Process, layer_dir)
+        assert await asyncio.to_thread(live.reserve, 3 * 1024 * MIB)
         # The plugin asks the kubelet whose container the units went to shortly after the Allocate.
         async with asyncio.timeout(15):
             while True:

@@ -326,12 +326,11 @@ async def test_a_slow_or_huge_host_agent_costs_neither_registration_nor_memory(
 
 @pytest.mark.skipif(not (BUILT / LIBRARY).exists(), reason="the Vulkan layer is not built here (make native: needs "
                     "a C compiler and libvulkan-dev)")
-async def test_what_a_container_plants_in_its_layer_directory_is_never_followed(
+async def test_what_containers_of_an_earlier_version_planted_goes_and_is_never_followed(
     kubelet: KubeletEmulator, start_plugin: Callable[..., Daemon], plugin_dir: Path, tmp_path: Path
 ) -> None:
-    # A container has its allocation's directory read-write: it can put a FIFO, or a link to one or to an endless
-    # file, where earlier versions kept the allocation's units, and a link where the plugin writes an accounting
-    # file.
+    # Earlier versions gave each container its allocation's directory read-write: it could leave a FIFO, or a link
+    # to one, to an endless file or to a file of the node's, anywhere in it.
     allocations = plugin_dir.parent / "vulkan" / "allocations"
     allocations.mkdir(parents=True)
     for name in ("dp-fifo", "dp-link-to-fifo", "dp-endless", "dp-planted"):
@@ -342,23 +341,18 @@ async def test_what_a_container_plants_in_its_layer_directory_is_never_followed(
     (allocations / "dp-endless" / "units").symlink_to("/dev/zero")
     victim = tmp_path / "victim"
     victim.write_text("not the plugin's\n")
+    (allocations / "dp-planted" / "slice-0.acct").symlink_to(victim)
+    (allocations / "dp-planted" / "victim-dir").symlink_to(tmp_path)
     plugin = start_plugin(TWO_M3_MAX)
     await kubelet.wait_registered(APPLE, timeout=15)
     await plugin.wait_for_log("slices are enforced through the Vulkan layer")
-    # Never read: without the plugin's own record, such a directory waits for the kubelet to say who holds it.
-    assert {"dp-fifo", "dp-link-to-fifo", "dp-endless", "dp-planted"} <= {p.name for p in allocations.iterdir()}
-
-    # An allocation made again where its container had planted links: replaced, never written through.
+    assert not allocations.exists(), "removed at start"
+    assert victim.read_text() == "not the plugin's\n" and (tmp_path / "fifo").exists()
+    # What a container gets now is the daemon's alone: a directory holding its ledger's socket, mounted read-only.
     [first] = await kubelet.admit(Pod.simple("first", APPLE, 1))
-    directory = allocations / allocation_id(first.device_ids)
-    (directory / "slice-0.acct").unlink()
-    (directory / "slice-0.acct").symlink_to(victim)
-    (directory / "units").symlink_to(victim)
-    kubelet.release("first")
-    [again] = await kubelet.admit(Pod.simple("again", APPLE, 1))
-    assert again.device_ids == first.device_ids
-    assert victim.read_text() == "not the plugin's\n"
-    assert not (directory / "slice-0.acct").is_symlink()
+    directory = plugin_dir.parent / "vulkan" / "ledgers" / allocation_id(first.device_ids)
+    assert [entry.name for entry in directory.iterdir()] == ["ledger.sock"]
+    assert all(mount.read_only for mount in first.response.mounts)
     assert plugin.running()
 
 

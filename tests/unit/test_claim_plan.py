@@ -74,7 +74,7 @@ def test_a_partition_becomes_one_cdi_device_and_a_budget_for_the_layer(tmp_path:
     assert env["GPUPPETTI_CLAIM"] == UID
     # The plan is data: the layer's directory and its budget are in it, and nothing is written yet.
     assert plan.allocations == {layer_allocation(UID, "gpu"): [12 * 2**30]}
-    assert not layer.existing()
+    assert not layer.path.exists()
 
 
 def test_without_a_layer_the_plan_holds_no_budget() -> None:

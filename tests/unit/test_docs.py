@@ -22,7 +22,9 @@ from tests.helpers import fenced_blocks
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")])
 # The package and its build (setup.py reads GPUPPETTI_REQUIRE_LAYER).
-SOURCE = "\n".join(path.read_text() for path in [*(ROOT / "src").rglob("*.py"), ROOT / "setup.py"])
+# The layer's C reads its own env vars (GPUPPETTI_VK_*).
+SOURCE = "\n".join(path.read_text() for path in [*(ROOT / "src").rglob("*.py"), ROOT / "setup.py",
+                                                  *(ROOT / "native" / "vulkan-layer").glob("*.[ch]")])
 PARSER = build_parser()
 COMMAND_FLAGS = {name: {s for action in sub._actions for s in action.option_strings}
                  for name, sub in PARSER.commands.items()}

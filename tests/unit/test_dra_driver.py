@@ -11,7 +11,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from gpuppetti.base.backoff import Backoff
 from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import Serves
 from gpuppetti.discovery.simulated import SimulatedBackend
@@ -20,11 +19,13 @@ from gpuppetti.dra.driver import LIST_FROM, GpuDriver, _collector_paused
 from gpuppetti.dra.plan import layer_allocation
 from gpuppetti.dra.store import ClaimStore, _run_to_the_end
 from gpuppetti.kit.draplugin import ClaimRef
+from gpuppetti.layer.ledger import Ledgers
 from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.kube import ApiError
 from tests.dra_support import DRIVER, NODE
 from tests.helpers import config_from
+from tests.ledger_client import Process
 
 
 def test_the_collector_is_held_off_while_any_call_runs_and_only_then() -> None:
@@ -121,69 +122,47 @@ def _layered_driver(tmp_path: Path) -> tuple[GpuDriver, LayerDir, list[ClaimRef]
     inventory = Inventory(config, SimulatedBackend(config.simulated).discover(), Serves.POOL)
     claims = {f"c{n}": _allocated(n, shareID="p1", consumedCapacity={"memory": "12Gi"}) for n in range(2)}
     layer = LayerDir(tmp_path / "vulkan")
-    layer.allocations.mkdir(parents=True)
-    store = ClaimStore(tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"), layer=layer)
+    layer.ledgers.mkdir(parents=True, exist_ok=True)
+    store = ClaimStore(tmp_path / "cdi", Checkpoint(tmp_path / "checkpoint.json"), layer=layer,
+                       ledgers=Ledgers(layer.ledgers))
     driver = GpuDriver(inventory, NODE, store, _Claims(claims, listed=len(claims)))
     refs = [ClaimRef("default", claim.metadata.uid or "", name) for name, claim in claims.items()]
     return driver, layer, refs
 
 
-async def test_a_claim_whose_layer_directory_holds_many_files_goes_while_another_is_prepared(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_prepared_claim_has_a_ledger_that_goes_when_it_is_unprepared(tmp_path: Path) -> None:
     driver, layer, (first, second) = _layered_driver(tmp_path)
+    assert isinstance((await driver.prepare([first, second]))[first.uid], list)
+    directory = layer.ledgers / layer_allocation(first.uid, "gpu")
+    assert [entry.name for entry in directory.iterdir()] == ["ledger.sock"], "the daemon's socket and nothing else"
+    process = await asyncio.to_thread(Process, directory)
+    assert process.terms == [(12 * 2**30, 0)]
+    assert await asyncio.to_thread(process.reserve, 12 * 2**30)
+    assert not await asyncio.to_thread(process.reserve, 1)
+    assert sorted((row.use.budget, row.use.used) for row in driver.slice_uses()) == [(12 * 2**30, 0),
+                                                                                     (12 * 2**30, 12 * 2**30)]
+    assert (await driver.unprepare([first]))[first.uid] == ""
+    assert not directory.exists()
+    assert await asyncio.to_thread(process.sock.recv, 16) == b"", "its processes are disconnected"
+    assert (layer.ledgers / layer_allocation(second.uid, "gpu") / "ledger.sock").exists()
+    driver.store.ledgers.close_all()  # type: ignore[union-attr]
+
+
+async def test_a_restarted_driver_serves_its_claims_ledgers_and_forgets_the_others(tmp_path: Path) -> None:
+    driver, layer, (first, _) = _layered_driver(tmp_path)
     assert isinstance((await driver.prepare([first]))[first.uid], list)
-    directory = layer.allocations / layer_allocation(first.uid, "gpu")
-    for n in range(2000):
-        (directory / f"left-by-the-tenant-{n}").write_bytes(b"")
-    order: list[str] = []
-    removing, release, removed = threading.Event(), threading.Event(), threading.Event()
-    remove = LayerDir.remove
-
-    def held_remove(self: LayerDir, allocation: str) -> None:
-        # The tenant's files take as long to remove as the other claim's Prepare takes to be answered.
-        removing.set()
-        release.wait(10)
-        remove(self, allocation)
-        order.append("removed")
-        removed.set()
-
-    monkeypatch.setattr(LayerDir, "remove", held_remove)
-    async with asyncio.TaskGroup() as group:
-        emptier = group.create_task(driver.store.empty_trash())
-        assert (await driver.unprepare([first]))[first.uid] == ""
-        assert not directory.exists(), "gone from the layer's directory when the kubelet is told"
-        await asyncio.to_thread(removing.wait, 10)
-        assert isinstance((await driver.prepare([second]))[second.uid], list)
-        order.append("prepared")
-        release.set()
-        await asyncio.to_thread(removed.wait, 10)
-        emptier.cancel()
-    assert driver.store.trash is not None and not any(driver.store.trash.allocations.iterdir()), "the trash is emptied"
-    assert order == ["prepared", "removed"], "the other claim's Prepare waited for the tenant's files"
-    assert (layer.allocations / layer_allocation(second.uid, "gpu")).is_dir()
-
-
-async def test_the_trash_is_emptied_at_start_and_what_cannot_be_removed_is_tried_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    driver, _, _ = _layered_driver(tmp_path)
-    assert driver.store.trash is not None
-    left = driver.store.trash.allocations / "dra-x.0000"
-    left.mkdir(parents=True)
-    (left / "file").write_bytes(b"")
-    attempts: list[str] = []
-    remove = LayerDir.remove
-
-    def failing_once(self: LayerDir, allocation: str) -> None:
-        attempts.append(allocation)
-        if len(attempts) > 1:
-            remove(self, allocation)
-
-    monkeypatch.setattr(LayerDir, "remove", failing_once)
-    monkeypatch.setattr("gpuppetti.dra.store.Backoff", lambda initial, maximum: Backoff(0.01, 0.01))
-    async with asyncio.TaskGroup() as group:
-        emptier = group.create_task(driver.store.empty_trash())
-        while left.exists():
-            await asyncio.sleep(0.01)
-        emptier.cancel()
-    assert attempts == ["dra-x.0000", "dra-x.0000"]
-    assert "cannot remove 1 directory(ies)" in caplog.text
+    assert driver.store.ledgers is not None
+    driver.store.ledgers.close_all()  # the driver stops
+    stray = layer.ledgers / "dra-00000000-0000-0000-0000-000000000000-gpu"
+    stray.mkdir()
+    again, _, _ = _layered_driver(tmp_path)
+    again.store.checkpoint.load()
+    await again.store.restore()
+    directory = layer.ledgers / layer_allocation(first.uid, "gpu")
+    process = await asyncio.to_thread(Process, directory)
+    process.declare(5 * 2**30)
+    assert await asyncio.to_thread(process.reserve, 7 * 2**30)
+    assert not await asyncio.to_thread(process.reserve, 1)
+    assert not stray.exists()
+    assert again.store.ledgers is not None
+    again.store.ledgers.close_all()

@@ -118,6 +118,7 @@ CASES = [
          ["--mode", "dra", "--vulkan-layer-dir", "/opt/gpuppetti/vulkan"]),
     Case("no-enforcement", {"vulkanLayerDir": ""}, ["--vulkan-layer-dir", ""]),
     Case("dra-no-enforcement", {"mode": "dra", "vulkanLayerDir": ""}, ["--mode", "dra", "--vulkan-layer-dir", ""]),
+    # Accepted for one more release, and doing nothing either way.
     Case("bound-allocation-dirs", {"boundAllocationDirs": True}, ["--bound-allocation-dirs"]),
     Case("dra-bound-allocation-dirs", {"mode": "dra", "boundAllocationDirs": True, "vulkanLayerDir": "/opt/v"},
          ["--mode", "dra", "--bound-allocation-dirs", "--vulkan-layer-dir", "/opt/v"]),
@@ -272,7 +273,6 @@ def test_a_namespace_that_is_no_namespace_name_fails_and_injects_nothing(chart: 
     ({"mode": "dra", "labelNode": True}, "labelNode is for the device plugin (mode: plugin)"),
     ({"config": SIMULATED, "replicas": 4}, "replicas applies to the generated config; set the replicas in config"),
     ({"config": SIMULATED, "preset": "minikube-krunkit"}, "config and preset are two configs: give one of them"),
-    ({"boundAllocationDirs": True, "vulkanLayerDir": ""}, "boundAllocationDirs bounds the Vulkan layer's"),
 ])
 def test_values_that_do_not_go_together_fail_as_the_flags_do(
         chart: Any, values: dict[str, Any], message: str) -> None:

@@ -1,14 +1,10 @@
-"""Per-slice metrics, in-process: what the layer's accounting says each container holds and waited, labelled with
-who holds it, read at scrape time from files the containers can write (and so treated as hostile)."""
+"""Per-slice metrics, in-process: what each allocation's ledger says its container holds and waited, labelled with
+who holds it, read at scrape time (the waiting from a page the containers can write: clamped)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import struct
-import time
 from pathlib import Path
-from typing import IO
 
 from prometheus_client import generate_latest
 
@@ -16,11 +12,13 @@ from gpuppetti._proto.deviceplugin.v1beta1.api_pb2 import ContainerAllocateRespo
 from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
-from gpuppetti.layer.vulkan import LayerDir, SliceUse
+from gpuppetti.layer.ledger import Ledgers, SliceUse
+from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.metrics import Metrics, SliceRow
 from gpuppetti.node.report import slice_records
 from gpuppetti.sharing.budgets import Budget
-from tests.helpers import hold_slice, replicas, short_tmpdir
+from tests.helpers import replicas, short_tmpdir
+from tests.ledger_client import Process
 
 MIB = 2**20
 GPU0 = Gpu(id="gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
@@ -29,16 +27,13 @@ GPU1 = Gpu(id="gpu-1", index=1, vendor=Vendor.APPLE, model="Apple M3 Max", backe
            memory_bytes=2048 * MIB, simulated=True)
 
 
-def held(layer: LayerDir, allocation: str, index: int, used: int, waited_ns: int = 0) -> None:
-    """A live process of the container holding ``used`` of the slice (its lock held until the test ends)."""
-    _live.append(hold_slice(layer.allocations / allocation / f"slice-{index}.acct", used, waited_ns))
-
-
-_live: list[IO[bytes]] = []
-
-
 def scrape(metrics: Metrics) -> set[str]:
     return set(generate_latest(metrics.registry).decode().splitlines())
+
+
+def _enforcer(layer: LayerDir, pod_resources: Path) -> Enforcer:
+    layer.install()
+    return Enforcer(layer, Ledgers(layer.ledgers), pod_resources, grace=0)
 
 
 async def test_each_slice_is_reported_with_who_holds_it(tmp_path: Path) -> None:
@@ -46,20 +41,23 @@ async def test_each_slice_is_reported_with_who_holds_it(tmp_path: Path) -> None:
     socket = base / "pod-resources" / "kubelet.sock"
     async with KubeletEmulator(base / "dp", pod_resources=socket) as kubelet:
         layer = LayerDir(tmp_path / "vulkan")
-        layer.install()
-        enforcer = Enforcer(layer, socket, grace=0)
+        enforcer = _enforcer(layer, socket)
         await enforcer.start(set())
         await enforcer.allocate([*replicas("gpu-0", 1), *replicas("gpu-1", 0)],
                                 [Budget(GPU0, 512 * MIB, 250), Budget(GPU1, 256 * MIB)])
         allocation = allocation_id(["gpu-0::1", "gpu-1::0"])
-        held(layer, allocation, 0, 100 * MIB, 1_500_000_000)
-        held(layer, allocation, 1, 7 * MIB)
+        process = await asyncio.to_thread(Process, layer.ledgers / allocation)
+        assert await asyncio.to_thread(process.reserve, 100 * MIB, 0)
+        assert await asyncio.to_thread(process.reserve, 7 * MIB, 1)
+        process.set_waited(1_500_000_000, 0)
         kubelet.allocations.append(ContainerAllocation("trainer", "main", "apple.com/gpu", ["gpu-0::1", "gpu-1::0"],
                                                        ContainerAllocateResponse(), None))
         await enforcer.check()
         metrics = Metrics()
         metrics.watch_slices(enforcer)
         lines = scrape(metrics)
+        process.close()
+        enforcer.ledgers.close_all()
     first = 'container="main",gpu="gpu-0",namespace="default",pod="trainer",unit="gpu-0::1"'
     second = 'container="main",gpu="gpu-1",namespace="default",pod="trainer",unit="gpu-1::0"'
     assert f"gpuppetti_slice_memory_used_bytes{{{first}}} 1.048576e+08" in lines
@@ -69,30 +67,26 @@ async def test_each_slice_is_reported_with_who_holds_it(tmp_path: Path) -> None:
     assert f"gpuppetti_slice_compute_wait_seconds_total{{{second}}} 0.0" in lines
 
 
-async def test_a_hostile_accounting_file_never_blocks_or_breaks_a_scrape(tmp_path: Path) -> None:
+async def test_a_tenants_waiting_figure_is_clamped_and_a_gone_process_leaves_the_figure(tmp_path: Path) -> None:
     layer = LayerDir(tmp_path / "vulkan")
-    layer.install()
-    enforcer = Enforcer(layer, tmp_path / "no-pod-resources.sock")
-    for number in range(4):
-        await enforcer.allocate(replicas("gpu-0", number), [Budget(GPU0, 512 * MIB)])
-    fifo, link, short, negative = (layer.allocations / allocation_id([f"gpu-0::{n}"]) / "slice-0.acct"
-                                   for n in range(4))
-    for path in (fifo, link, short):
-        path.unlink()
-    os.mkfifo(fifo)
-    link.symlink_to("/etc/shadow")
-    short.write_bytes(b"GPPTVK01")
-    data = bytearray(negative.read_bytes())
-    data[16:32] = struct.pack("<qq", -5, -(2**63))
-    negative.write_bytes(bytes(data))
+    enforcer = _enforcer(layer, tmp_path / "no-pod-resources.sock")
+    await enforcer.allocate(replicas("gpu-0", 0), [Budget(GPU0, 512 * MIB, 500)])
+    process = await asyncio.to_thread(Process, layer.ledgers / allocation_id(["gpu-0::0"]))
+    assert await asyncio.to_thread(process.reserve, 64 * MIB)
+    process.set_waited(-(2**63))
     metrics = Metrics()
     metrics.watch_slices(enforcer)
-    started = time.monotonic()
-    lines = await asyncio.wait_for(asyncio.to_thread(scrape, metrics), 5)
-    assert time.monotonic() - started < 2
-    used = [line for line in lines if line.startswith("gpuppetti_slice_memory_used_bytes{")]
-    assert used == ['gpuppetti_slice_memory_used_bytes{container="",gpu="gpu-0",namespace="",pod="",'
-                    'unit="gpu-0::3"} 0.0'], "only the file that is one is read, and no number is below 0"
+    lines = await asyncio.to_thread(scrape, metrics)
+    labels = 'container="",gpu="gpu-0",namespace="",pod="",unit="gpu-0::0"'
+    assert f"gpuppetti_slice_memory_used_bytes{{{labels}}} 6.7108864e+07" in lines
+    assert f"gpuppetti_slice_compute_wait_seconds_total{{{labels}}} 0.0" in lines
+    process.close()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if f"gpuppetti_slice_memory_used_bytes{{{labels}}} 0.0" in scrape(metrics):
+            break
+    assert f"gpuppetti_slice_memory_used_bytes{{{labels}}} 0.0" in scrape(metrics)
+    enforcer.ledgers.close_all()
 
 
 async def test_a_slice_is_labelled_with_its_units_of_its_gpu_as_the_plan_says(tmp_path: Path) -> None:
@@ -100,12 +94,12 @@ async def test_a_slice_is_labelled_with_its_units_of_its_gpu_as_the_plan_says(tm
     odd = Gpu(id="rack-1::gpu-0", index=0, vendor=Vendor.APPLE, model="Apple M3 Max", backend="simulated",
               memory_bytes=2048 * MIB, simulated=True)
     layer = LayerDir(tmp_path / "vulkan")
-    layer.install()
-    enforcer = Enforcer(layer, tmp_path / "no-pod-resources.sock")
+    enforcer = _enforcer(layer, tmp_path / "no-pod-resources.sock")
     await enforcer.allocate([*replicas(odd.id, 2), *replicas("gpu-1", 0)],
                             [Budget(odd, 512 * MIB), Budget(GPU1, 256 * MIB)])
     assert [(row.gpu, row.unit) for row in enforcer.slice_uses()] == [(odd.id, "rack-1::gpu-0::2"),
                                                                       ("gpu-1", "gpu-1::0")]
+    enforcer.ledgers.close_all()
 
 
 class _Rows:

@@ -18,7 +18,7 @@ from gpuppetti.base.syntax import (
 )
 from gpuppetti.core.config import resource_name_problem
 from gpuppetti.kit.draplugin import ClaimRef, claim_problem
-from gpuppetti.layer.vulkan import LayerDir
+from gpuppetti.layer.vulkan import LayerDir, Record
 
 UID = "0b7c6f8e-4a8e-4c55-9b3a-2f9d1e6c7a10"
 
@@ -43,11 +43,11 @@ def test_a_claim_uid_or_namespace_with_a_newline_is_refused(claim: ClaimRef) -> 
     assert claim_problem(claim) is not None
 
 
-def test_an_allocation_id_with_a_newline_makes_no_directory(tmp_path: Path) -> None:
+def test_an_allocation_id_with_a_newline_makes_no_record(tmp_path: Path) -> None:
     layer = LayerDir(tmp_path)
     with pytest.raises(ValueError, match="not an allocation id"):
-        layer.create("alloc-1\n", [1 << 30])
-    assert layer.usage("alloc-1\n") == []
+        layer.write_record("alloc-1\n", Record(["gpu-0::0"], []))
+    assert layer.read_records() == {}
 
 
 def test_quantities_and_durations_take_their_own_spaces_only() -> None:

@@ -1,5 +1,6 @@
-"""What a tenant can leave in its allocation's directory: a tree deeper than any recursion, links out of it, files
-that will not go, more than a pass takes; and what it cannot make the daemon believe (the units it was made for)."""
+"""What a tenant of an earlier version could leave in its allocation's directory (a tree deeper than any recursion,
+links out of it, files that will not go, more than a pass takes), which the daemon removes once at start, and the
+device plugin's records of its allocations, which no container sees."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpuppetti.base.fsutil import REMOVE_DEPTH, remove_tree
-from gpuppetti.layer.vulkan import LayerDir
+from gpuppetti.layer.ledger import Terms
+from gpuppetti.layer.vulkan import LayerDir, Record
 
 MIB = 2**20
 
@@ -122,47 +124,44 @@ def test_a_path_that_is_not_there_or_a_file_or_a_link(tmp_path: Path) -> None:
     assert (tmp_path / "dir").is_dir() and not (tmp_path / "link").exists()
 
 
-def _layer(tmp_path: Path) -> LayerDir:
+def test_what_an_earlier_version_let_tenants_write_goes_at_start(tmp_path: Path) -> None:
     layer = LayerDir(tmp_path / "vulkan")
-    layer.allocations.mkdir(parents=True)
-    return layer
+    (layer.path / "allocations").mkdir(parents=True)
+    _deep(layer.path / "allocations" / "dp-deep", 3000)
+    (layer.path / "dra-trash" / "dra-x.0000").mkdir(parents=True)
+    (layer.path / "dra-trash" / "dra-x.0000" / "left").write_text("x")
+    layer.install()
+    assert sorted(entry.name for entry in layer.path.iterdir()) == [
+        "VkLayer_gpuppetti.json", "gpuppetti-dmem-hook", "gpuppetti-vkinfo", "ledgers", "libVkLayer_gpuppetti.so",
+        "records"]
 
 
-def test_a_deep_tree_in_an_allocation_directory_never_takes_the_daemon_down(tmp_path: Path) -> None:
-    layer = _layer(tmp_path)
-    directory = layer.create("dp-deep", [512 * MIB], ["gpu-0::0"])
-    shutil.rmtree(directory)
-    _deep(directory, 3000)
-    assert layer.remove("dp-deep") is True
-    assert layer.existing() == {}
-
-
-def test_an_allocation_directory_that_cannot_all_go_is_kept_with_its_record(
+def test_a_legacy_directory_that_cannot_all_go_is_said_and_tried_at_the_next_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    layer = _layer(tmp_path)
-    directory = layer.create("dp-stuck", [512 * MIB], ["gpu-0::0"])
-    stuck = directory / "stuck"
+    layer = LayerDir(tmp_path / "vulkan")
+    stuck = layer.path / "allocations" / "dp-stuck" / "stuck"
+    stuck.parent.mkdir(parents=True)
     stuck.write_text("x")
     with _unremovable(stuck):
-        assert layer.remove("dp-stuck") is False
-        assert "dp-stuck is not all removed yet" in caplog.text
-        assert layer.existing() == {"dp-stuck": ["gpu-0::0"]}
-    assert layer.remove("dp-stuck") is True
-    assert layer.existing() == {} and not (layer.records / "dp-stuck").exists()
+        layer.install()
+        assert "allocations, which an earlier version kept" in caplog.text and "tried again" in caplog.text
+    layer.install()
+    assert not (layer.path / "allocations").exists()
 
 
-def test_the_units_come_from_the_daemons_record_never_the_tenants_directory(tmp_path: Path) -> None:
-    layer = _layer(tmp_path)
-    directory = layer.create("dp-forger", [512 * MIB], ["gpu-0::1"])
-    # The tenant names another pod's unit where earlier versions kept the units.
-    (directory / "units").write_text("gpu-0::0\n")
-    assert layer.existing() == {"dp-forger": ["gpu-0::1"]}
-    assert stat_mode(layer.records) == 0o700 and stat_mode(layer.records / "dp-forger") == 0o600
-    # A directory an earlier version made, with only the tenant's file: its units are unknown.
-    (layer.allocations / "dp-legacy").mkdir()
-    (layer.allocations / "dp-legacy" / "units").write_text("gpu-0::0\n")
-    assert layer.existing()["dp-legacy"] == []
+def test_the_records_are_the_daemons_and_a_record_that_does_not_parse_is_unknown(tmp_path: Path) -> None:
+    layer = LayerDir(tmp_path / "vulkan")
+    layer.install()
+    layer.write_record("dp-a", Record(["gpu-0::1"], [Terms(512 * MIB, 250)]))
+    assert stat_mode(layer.records) == 0o700 and stat_mode(layer.records / "dp-a") == 0o600
+    # An earlier version's record: the units alone, a line each.
+    (layer.records / "dp-legacy").write_text("gpu-0::0\n")
+    (layer.records / "dp-garbage").write_bytes(b'{"units": 5, "terms": [[1]]}')
+    assert layer.read_records() == {"dp-a": Record(["gpu-0::1"], [Terms(512 * MIB, 250)]), "dp-legacy": None,
+                                    "dp-garbage": None}
+    layer.remove_record("dp-a")
+    assert "dp-a" not in layer.read_records()
 
 
 def stat_mode(path: Path) -> int:

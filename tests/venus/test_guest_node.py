@@ -277,7 +277,7 @@ def held_to(edits: dict[str, Any], uid: str, memory: int, compute: int) -> dict[
     env = dict(line.split("=", 1) for line in edits["env"])
     assert env["GPUPPETTI_VK_SLICES"] == f"{SELECTOR}={memory}", "Venus is found by its PCI bus address"
     assert env["GPUPPETTI_VK_COMPUTE"] == str(compute)
-    assert (env["GPUPPETTI_VK_ACCOUNTING"], env["GPUPPETTI_LIMITS"]) == ("/run/gpuppetti/vulkan", "vulkan")
+    assert (env["GPUPPETTI_VK_LEDGER"], env["GPUPPETTI_LIMITS"]) == ("/run/gpuppetti/vulkan/ledger.sock", "vulkan")
     assert (env["GPUPPETTI_VISIBLE_DEVICES"], env["GGML_VK_VISIBLE_DEVICES"]) == (GPU, "0")
     assert (env["GPUPPETTI_CLAIM"], env["GPUPPETTI_MEMORY"]) == (uid, str(memory))
     mounts = {mount["containerPath"]: (mount["hostPath"], mount["options"][0]) for mount in edits["mounts"]}
@@ -285,7 +285,7 @@ def held_to(edits: dict[str, Any], uid: str, memory: int, compute: int) -> dict[
         "/etc/vulkan/implicit_layer.d/VkLayer_gpuppetti.json": (f"{LAYER}/VkLayer_gpuppetti.json", "ro"),
         "/usr/lib/gpuppetti/libVkLayer_gpuppetti.so": (f"{LAYER}/libVkLayer_gpuppetti.so", "ro"),
         "/usr/local/bin/gpuppetti-vkinfo": (f"{LAYER}/gpuppetti-vkinfo", "ro"),
-        "/run/gpuppetti/vulkan": (f"{LAYER}/allocations/dra-{uid}-gpu", "rw"),
+        "/run/gpuppetti/vulkan": (f"{LAYER}/ledgers/dra-{uid}-gpu", "ro"),
     }
     return env
 

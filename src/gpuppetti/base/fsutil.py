@@ -5,16 +5,14 @@ set on the open file whatever the process's umask, and the rename replaces whate
 than following it. So a symlink planted in a directory cannot redirect a write, and a crash leaves either the old
 content or the new one, never a torn file.
 
-A directory that others can write (a container's) is removed a level at a time with directory descriptors, never by
-path and never through a link, with a bound on the descriptors it holds and the entries it takes per call; and the
-daemon can give such a directory a small filesystem of its own (a tmpfs), so that what it holds has a size.
+A directory that others could write (a container's, in an earlier version) is removed a level at a time with
+directory descriptors, never by path and never through a link, with a bound on the descriptors it holds and the
+entries it takes per call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import secrets
 import stat
@@ -100,22 +98,6 @@ def atomic_write(path: Path | str, data: bytes | Iterable[bytes], mode: int = 0o
         raise
     if durable:
         sync_directory(Path(directory))
-
-
-def create_file(path: str, data: bytes, mode: int, size: int = 0) -> None:
-    """Create ``path`` afresh (whatever sat at that name, a planted link included, is removed, never followed):
-    ``data``, then zeros up to ``size``, with ``mode`` whatever the umask. Not atomic: for files nobody reads until
-    the caller has answered."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.fchmod(fd, mode)
-        if size:
-            os.ftruncate(fd, size)
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
 
 
 def open_untrusted(path: str) -> int | None:
@@ -285,59 +267,3 @@ def _scan(level: _Level, stuck: set[int], limit: int) -> int:
             except OSError:
                 stuck.add(inode)
     return taken
-
-
-# Mounting, through the C library: no Python module wraps mount(2).
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
-_MNT_DETACH, _UMOUNT_NOFOLLOW = 2, 8
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def mount_tmpfs(path: Path | str, size: int, inodes: int, mode: int = 0o755) -> None:
-    """Mount a tmpfs of at most ``size`` bytes and ``inodes`` files at ``path`` (no devices, set-user-id or
-    programs in it). Raises OSError (EPERM without CAP_SYS_ADMIN)."""
-    options = f"size={size},nr_inodes={inodes},mode={mode:o}".encode()
-    if _libc.mount(b"gpuppetti", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options) != 0:
-        number = ctypes.get_errno()
-        raise OSError(number, os.strerror(number), os.fspath(path))
-
-
-def unmount(path: Path | str) -> bool:
-    """Detach what is mounted at ``path`` (lazily: a container that has it keeps it until it ends); whether
-    something was. Never follows a link. Raises OSError but for a path that is no mount point."""
-    if _libc.umount2(os.fsencode(path), _MNT_DETACH | _UMOUNT_NOFOLLOW) == 0:
-        return True
-    number = ctypes.get_errno()
-    if number in (errno.EINVAL, errno.ENOENT):
-        return False
-    raise OSError(number, os.strerror(number), os.fspath(path))
-
-
-def is_mount_point(path: Path | str) -> bool:
-    """Whether another filesystem is mounted at ``path`` (never through a link)."""
-    try:
-        here = os.lstat(path)
-        above = os.lstat(os.path.join(path, ".."))
-    except OSError:
-        return False
-    return stat.S_ISDIR(here.st_mode) and (here.st_dev != above.st_dev or here.st_ino == above.st_ino)
-
-
-def mounts_propagate(path: Path | str, mountinfo: str = "/proc/self/mountinfo") -> bool:
-    """Whether a mount made under ``path`` reaches the other mount namespaces of the host: the mount that holds it
-    is shared (a Kubernetes volume with mountPropagation Bidirectional, or a host whose systemd made / shared)."""
-    target = os.path.realpath(path)
-    best, shared = "", False
-    try:
-        with open(mountinfo, encoding="utf-8") as lines:
-            for line in lines:
-                fields = line.split(" - ", 1)[0].split()
-                if len(fields) < 6:
-                    continue
-                point = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
-                inside = target == point or target.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, shared = point, any(tag.startswith("shared:") for tag in fields[6:])
-    except OSError:
-        return False
-    return shared

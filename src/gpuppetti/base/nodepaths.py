@@ -12,7 +12,7 @@ DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_HTTP_ADDRESS = "127.0.0.1:9400"
-# Where the daemons install the Vulkan layer, and keep each allocation's accounting; mounted into containers.
+# Where the daemons install the Vulkan layer and serve each allocation's ledger; mounted into containers, read-only.
 DEFAULT_VULKAN_LAYER_DIR = Path("/var/lib/gpuppetti/vulkan")
 DEFAULT_HOST_AGENT_TOKEN_FILE = "/var/run/secrets/gpuppetti-host-agent/token"
 

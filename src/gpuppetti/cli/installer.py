@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuppetti.cli import values
 from gpuppetti.cli.options import Parser, UsageError, option, repeated
-from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, Failure
+from gpuppetti.cli.status import BOUND_DIRS_GONE, EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, Failure
 from gpuppetti.commands.manifests import DEFAULT_IMAGE, DEFAULT_NAMESPACE
 
 Command = Callable[[str, str, str], Parser]
@@ -65,11 +66,8 @@ def register(command: Command) -> None:
     install.add_argument("--host-network", action="store_true",
                          help="run the daemons in the node's network, reaching the API server at the kubeconfig's "
                          "address: for a node without a pod network or kube-proxy")
-    install.add_argument("--bound-allocation-dirs", action="store_true",
-                         help="run the daemons privileged, their layer directory's mount Bidirectional, so that each "
-                         "allocation directory is a tmpfs of its own and no container can fill a node's disk "
-                         "through it (the nodes' /var/lib/gpuppetti/vulkan must be on a shared mount, as systemd "
-                         "makes /: docs/enforced-slices.md)")
+    # Accepted for one more release, and said to do nothing.
+    install.add_argument("--bound-allocation-dirs", action="store_true", help=argparse.SUPPRESS)
     option(install, "--smoke-image", convert=values.image, metavar="IMAGE",
            shown_default="busybox:1.36; on minikube with krunkit, quay.io/slopezpa/fedora-vgpu (Venus)",
            help="the smoke pod's image: one with a Vulkan loader shows the slice through gpuppetti-vkinfo")
@@ -102,6 +100,8 @@ def install(args: argparse.Namespace) -> int:
                          "in the config's dra section (--config)")
     if args.config is not None and args.replicas is not None:
         raise UsageError("--replicas applies to the generated config; set the replicas in --config instead")
+    if args.bound_allocation_dirs:
+        print(f"gpuppetti: {BOUND_DIRS_GONE}", file=sys.stderr)
     config_text = None
     if args.config is not None:
         load_config(args.config)
@@ -113,7 +113,7 @@ def install(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig, context=args.context, mode=args.mode, namespace=args.namespace,
         image=args.image, build=build, config=config_text, config_source=str(args.config) if args.config else None,
         replicas=args.replicas, nodes=tuple(args.node), host_network=args.host_network,
-        bound_allocation_dirs=args.bound_allocation_dirs, smoke_image=args.smoke_image, timeout=args.timeout,
+        smoke_image=args.smoke_image, timeout=args.timeout,
     )
     _run(lambda: work.install(settings, _say))
     return EXIT_OK

@@ -7,6 +7,7 @@ everywhere.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def _resources(kind: str) -> str:
 _VULKAN_LAYER_DIR = Opt(
     ("--vulkan-layer-dir",), env="GPUPPETTI_VULKAN_LAYER_DIR", convert=values.host_directory,
     default=DEFAULT_VULKAN_LAYER_DIR, metavar="DIR", empty_is_value=True,
-    help="where the Vulkan layer that enforces slices is installed, and each allocation's accounting kept; "
+    help="where the Vulkan layer that enforces slices is installed, and each allocation's ledger served; "
     "containers mount it; '' turns enforcement off")
 
 
@@ -256,10 +257,8 @@ COMMANDS = (
                 metavar="DIR",
                 help="where the daemon installs the Vulkan layer on each node (a hostPath); '' turns enforcement "
                 "off"),
-            Switch("--bound-allocation-dirs",
-                   help="run the daemon privileged, its layer directory's mount Bidirectional, so that each "
-                   "allocation directory is a tmpfs of its own and no container can fill the node's disk through "
-                   "it (the node's layer directory must be on a shared mount: docs/enforced-slices.md)"),
+            # Accepted for one more release, and said to do nothing (cli.tools.BOUND_DIRS_GONE).
+            Switch("--bound-allocation-dirs", help=argparse.SUPPRESS),
             OneOf((
                 Plain("--preset", convert=values.choice("minikube-krunkit"), default=None, metavar="NAME",
                       help="a ready config: minikube-krunkit serves the VM's virtio-gpu as apple.com/gpu"),

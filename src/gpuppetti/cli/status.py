@@ -24,3 +24,7 @@ class Failure(Exception):
 def fail(message: str, code: int) -> int:
     print(f"gpuppetti: {message}", file=sys.stderr)
     return code
+
+# What `manifests` and `install` say of a flag kept for one more release.
+BOUND_DIRS_GONE = ("--bound-allocation-dirs no longer does anything: containers mount nothing writable from the "
+                   "node (each slice's ledger is the daemon's); drop the flag")

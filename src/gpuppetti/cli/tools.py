@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from gpuppetti.cli import values
 from gpuppetti.cli.daemons import sources
 from gpuppetti.cli.options import UsageError
-from gpuppetti.cli.status import EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Failure
+from gpuppetti.cli.status import BOUND_DIRS_GONE, EXIT_CONFIG, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, Failure
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -127,9 +127,8 @@ def manifests(args: argparse.Namespace) -> int:
                                  "slicing in the config's dra section (--config)")
     if args.config is not None and args.replicas is not None:
         raise UsageError("--replicas applies to the generated config; set the replicas in --config instead")
-    if args.bound_allocation_dirs and not args.vulkan_layer_dir:
-        raise UsageError("--bound-allocation-dirs bounds the Vulkan layer's allocation directories: it needs "
-                         "--vulkan-layer-dir (enforcement on)")
+    if args.bound_allocation_dirs:
+        print(f"gpuppetti: {BOUND_DIRS_GONE}", file=sys.stderr)
     config_text: str | None = None
     if args.preset:
         config_text = manifests.preset_config(args.preset, args.replicas)
@@ -150,7 +149,6 @@ def manifests(args: argparse.Namespace) -> int:
         node_selector=args.preset is None,
         extra_node_selector=dict(args.node_selector),
         vulkan_layer_dir=str(args.vulkan_layer_dir or ""),
-        bound_allocation_dirs=args.bound_allocation_dirs,
         resources=resources,
         **({"tolerations": args.toleration} if args.toleration else {}),
     )

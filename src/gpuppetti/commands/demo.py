@@ -193,12 +193,13 @@ async def run_demo(
         enforcer = None
         enforcement = await install_layer(workdir / "vulkan")
         metrics.slices_enforced.set(int(enforcement.enforced))
-        if (layer := enforcement.layer) is not None:
-            enforcer = Enforcer(layer, pod_resources)
+        if (layer := enforcement.layer) is not None and (ledgers := enforcement.ledgers) is not None:
+            process.spawn("ledgers", ledgers.keep())
+            enforcer = Enforcer(layer, ledgers, pod_resources)
             await enforcer.start(set())
             metrics.watch_slices(enforcer)
             if serving is not None:
-                process.spawn("layer-directories", enforcer.keep_in_use())
+                process.spawn("ledger-owners", enforcer.keep_in_use())
         manager = DevicePluginManager(inventory, workdir, metrics, cdi_dir, cdi_kind=SANDBOX_CDI_KIND,
                                       enforcer=enforcer)
         metrics.watch(inventory)

@@ -244,7 +244,6 @@ class Settings:
     replicas: int | None = None
     nodes: tuple[str, ...] = ()
     host_network: bool = False
-    bound_allocation_dirs: bool = False
     smoke_image: str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     minikube_home: Path = field(default_factory=default_minikube_home)
@@ -269,7 +268,6 @@ def render(settings: Settings, config: str | None, image: str, loaded: bool, ser
         replicas=settings.replicas if config is None else None,
         # A loaded image is on the nodes only: the kubelet must not look for it in a registry.
         image_pull_policy="IfNotPresent" if loaded else None,
-        bound_allocation_dirs=settings.bound_allocation_dirs,
     )
     try:
         objects = manifests.render(options)
@@ -744,7 +742,7 @@ async def _until(busy: Callable[[], Any], timeout: float, what: str) -> None:
 def left_on_disk(settings: Settings, cluster: Cluster) -> list[str]:
     """What stays on each node's disk: nothing in the API, but the layer's directory and the image."""
     layer = str(manifests.Options().vulkan_layer_dir)
-    left = [f"{layer}: the Vulkan layer and its accounting files (the daemons' hostPath); on each node: "
+    left = [f"{layer}: the Vulkan layer and its ledgers' sockets (the daemons' hostPath); on each node: "
             f"rm -rf {layer}"]
     image = settings.image or manifests.DEFAULT_IMAGE
     removal = {"minikube": f"minikube -p {cluster.name} image rm {image}",

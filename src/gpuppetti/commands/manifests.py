@@ -1,12 +1,10 @@
 """Ready-to-apply cluster manifests for both modes; the kustomize bases under deploy/ are rendered from here.
 
 The containers run as root because the kubelet's sockets and directories belong to root; they drop every
-capability, cannot escalate, and have a read-only root filesystem, unless the operator asks for bounded allocation
-directories (``bound_allocation_dirs``): then they are privileged, the one way Kubernetes lets a container's mounts
-reach the node (mountPropagation Bidirectional), so that each allocation directory can be a tmpfs of its own. Both
-mount the host's root read-only under /host and /var/run/cdi read-write; the device plugin also mounts the
-kubelet's device plugin directory, the DRA driver the plugin registry and its plugin directory. They run only on
-nodes labelled gpuppetti.dev/mode=plugin or =dra.
+capability, cannot escalate, and have a read-only root filesystem. Both mount the host's root read-only under
+/host and /var/run/cdi read-write; the device plugin also mounts the kubelet's device plugin directory, the DRA
+driver the plugin registry and its plugin directory. They run only on nodes labelled gpuppetti.dev/mode=plugin or
+=dra.
 """
 
 from __future__ import annotations
@@ -111,10 +109,6 @@ class Options:
     resources: Mapping[str, Any] = field(default_factory=lambda: copy.deepcopy(RESOURCES))
     # Where the Vulkan layer is installed on the node; empty turns enforcement off (and mounts nothing).
     vulkan_layer_dir: str = str(DEFAULT_VULKAN_LAYER_DIR)
-    # A privileged daemon whose mounts in the layer directory reach the node: each allocation directory a tmpfs of
-    # its own, so that a container cannot fill the node's disk through it (docs/enforced-slices.md).
-    # The command line and the chart refuse it without a layer directory.
-    bound_allocation_dirs: bool = False
 
 
 def default_config(replicas: int | None) -> str:
@@ -202,10 +196,6 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
 
 
 def _security_context(options: Options) -> dict[str, Any]:
-    if options.bound_allocation_dirs:
-        # Kubernetes allows mountPropagation Bidirectional only in a privileged container (which may escalate, so
-        # allowPrivilegeEscalation false is refused beside it), and mount(2) needs CAP_SYS_ADMIN anyway.
-        return {"runAsUser": 0, "privileged": True, "readOnlyRootFilesystem": True}
     return {"runAsUser": 0, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]}}
 
@@ -239,16 +229,12 @@ def _env(options: Options) -> list[dict[str, Any]]:
 
 
 def _layer_mount(options: Options) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    # Where the Vulkan layer is installed and each allocation's accounting kept: at the same path as on the host,
+    # Where the Vulkan layer is installed and each allocation's ledger served: at the same path as on the host,
     # since the mounts the daemon hands to containers name host paths. Nothing where enforcement is off.
     path = options.vulkan_layer_dir
     if not path:
         return []
     mount: dict[str, Any] = {"name": "vulkan-layer", "mountPath": path}
-    if options.bound_allocation_dirs:
-        # The tmpfs the daemon mounts on each allocation directory reaches the node, where the runtime mounts it
-        # into the container, and outlives the daemon's pod, as the containers using it do.
-        mount["mountPropagation"] = "Bidirectional"
     return [(mount, _host_path("vulkan-layer", path, "DirectoryOrCreate"))]
 
 

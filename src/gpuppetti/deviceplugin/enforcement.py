@@ -1,17 +1,11 @@
-"""The device plugin's side of enforced slices: a layer directory per Allocate, gone once the kubelet frees its units.
+"""The device plugin's side of enforced slices: a ledger per Allocate, gone once the kubelet frees its units.
 
 The Device Plugin API never says when a container's units are freed. The kubelet's PodResources API does, on
 asking: which device ids of which resource are assigned to containers now. A duty asks it every
-``CHECK_INTERVAL_S`` and removes the directories of allocations none of whose units is assigned any more. Units
-are exclusive, so an Allocate of a unit also removes any earlier allocation that had it; at start, directories of
-units the plugin no longer advertises go.
-
-Which units an allocation was made for comes from the plugin's own record (LayerDir.records), never from the
-directory its container can write. A directory without one (made by an earlier version, which kept the units in the
-directory) is unknown until the kubelet says which container holds it: an allocation's name is a digest of its
-units, so the container whose units of one resource digest to the name is its holder; none does, it goes.
-A directory whose removal cannot finish (a file that cannot go, more entries than one pass takes) is tried again at
-each check.
+``CHECK_INTERVAL_S`` and closes the ledgers of allocations none of whose units is assigned any more. Units are
+exclusive, so an Allocate of a unit also closes any earlier allocation that had it; at start, the ledgers of the
+allocations the plugin recorded are served again (their containers' processes reconnect and declare what they hold),
+except those of units it no longer advertises.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +24,8 @@ import grpc
 from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
 from gpuppetti.core.model import ContainerEdits
-from gpuppetti.layer.vulkan import MAX_SLICES_READ, LayerDir
+from gpuppetti.layer.ledger import Ledgers
+from gpuppetti.layer.vulkan import LayerDir, Record, terms
 from gpuppetti.node.metrics import SliceRow
 from gpuppetti.sharing.budgets import Budget
 from gpuppetti.sharing.replicas import Unit
@@ -55,58 +51,60 @@ def pod_resources_socket(device_plugin_dir: Path) -> Path:
 
 
 class Enforcer:
-    """Allocation directories in an installed layer directory (layer.vulkan.install_layer)."""
+    """Allocations' ledgers in an installed layer directory (layer.vulkan.install_layer)."""
 
-    def __init__(self, layer: LayerDir, pod_resources: Path, interval: float = CHECK_INTERVAL_S,
+    def __init__(self, layer: LayerDir, ledgers: Ledgers, pod_resources: Path, interval: float = CHECK_INTERVAL_S,
                  grace: float = GRACE_S) -> None:
         self.layer = layer
+        self.ledgers = ledgers
         self.pod_resources = pod_resources
         self.interval = interval
         self.grace = grace
         # Allocation -> (its units, when it was made, monotonic).
         self._allocations: dict[str, tuple[frozenset[str], float]] = {}
-        # Allocation -> each slice's GPU and units, in the order of its accounting files (for /metrics).
+        # Allocation -> each slice's GPU and units, in the order of its slices (for /metrics).
         self._slices: dict[str, list[tuple[str, str]]] = {}
         # Unit -> the (namespace, pod, container) the kubelet last said it is assigned to.
         self._owners: dict[str, tuple[str, str, str]] = {}
-        # Allocation -> when it was found without the plugin's record of its units (monotonic): see the module.
-        self._unknown: dict[str, float] = {}
-        # Allocations freed whose directories are not all removed yet.
-        self._leftover: set[str] = set()
-        # Allocation -> the units of one resource the kubelet last said a container holds, named as Allocate names
-        # them (for the unknown directories).
-        self._held: dict[str, frozenset[str]] = {}
         self._said_no_pod_resources = False
         # Set by an Allocate: the kubelet is asked, shortly after, whose container the units went to.
         self._allocated = asyncio.Event()
 
     async def start(self, advertised: set[str]) -> None:
-        """Forget the allocations of units no longer advertised."""
-        existing = await asyncio.to_thread(self.layer.existing)
-        for allocation, units in existing.items():
+        """Serve again the ledgers of the recorded allocations whose units are still advertised; forget the rest."""
+        records = await asyncio.to_thread(self.layer.read_records)
+        for allocation, record in records.items():
             if not allocation.startswith(PREFIX):
                 continue
-            if units and set(units) <= advertised:
+            if record is not None and record.units and set(record.units) <= advertised:
+                try:
+                    await self.ledgers.open(allocation, record.terms, restored=True)
+                except (OSError, ValueError) as exc:
+                    log.error("cannot serve the ledger of allocation %s again: %s", allocation, exc)
+                    continue
                 # Possibly still in use: the PodResources check decides once its grace has passed.
-                self._allocations[allocation] = (frozenset(units), time.monotonic() - self.grace)
-            elif not units:
-                self._unknown[allocation] = time.monotonic() - self.grace
-            elif not await asyncio.to_thread(self.layer.remove, allocation):
-                self._leftover.add(allocation)
+                self._allocations[allocation] = (frozenset(record.units), time.monotonic() - self.grace)
+            else:
+                await asyncio.to_thread(self._remove, allocation)
+        stray = [a for a in await asyncio.to_thread(self.ledgers.on_disk)
+                 if a.startswith(PREFIX) and a not in self._allocations]
+        for allocation in stray:
+            await asyncio.to_thread(self._remove, allocation)
 
     async def allocate(self, given: Sequence[Unit], budgets: Sequence[Budget]) -> ContainerEdits:
-        """The allocation's directory, made anew, and the edits that put its container under the layer."""
+        """The allocation's ledger, served, and the edits that put its container under the layer."""
         allocation = allocation_id([unit.id for unit in given])
         units = frozenset(unit.id for unit in given)
         freed = [other for other, (theirs, _) in self._allocations.items() if other != allocation and theirs & units]
-        memories = [budget.memory for budget in budgets]
-        left = await asyncio.to_thread(self._replace, allocation, memories, sorted(units), freed)
-        self._leftover.update(left)
-        self._leftover.discard(allocation)
-        self._unknown.pop(allocation, None)
         for other in freed:
-            self._allocations.pop(other, None)
-            self._slices.pop(other, None)
+            self._close(other)
+        kept = terms(budgets)
+        # One trip to a thread: the freed allocations' files go, this one's socket is bound and its record written.
+        listener = await asyncio.to_thread(self._make, allocation, Record(sorted(units), kept), freed)
+        if listener is None:
+            await self.ledgers.open(allocation, kept)
+        else:
+            await self.ledgers.serve(allocation, listener, kept)
         self._allocations[allocation] = (units, time.monotonic())
         self._allocated.set()
         self._slices[allocation] = [
@@ -115,27 +113,41 @@ class Enforcer:
         return self.layer.edits(allocation, budgets)
 
     def slice_uses(self) -> list[SliceRow]:
-        """Each held slice, as its accounting file says, labelled with who holds it (metrics.SliceUses). Blocks:
-        it reads the files (in a thread, at scrape time)."""
+        """Each held slice, as its ledger says, labelled with who holds it (metrics.SliceUses)."""
         found = []
         owners = self._owners
         for allocation, (units, _) in list(self._allocations.items()):
             holder = next((owners[unit] for unit in sorted(units) if unit in owners), ("", "", ""))
             where = self._slices.get(allocation, [])
-            for use in self.layer.usage(allocation, len(where) or MAX_SLICES_READ):
+            for use in self.ledgers.usage(allocation):
                 gpu, unit = where[use.index] if use.index < len(where) else ("", ",".join(sorted(units)))
                 found.append(SliceRow(*holder, gpu, unit, use))
         return found
 
-    def _replace(self, allocation: str, memories: list[int], units: list[str], freed: list[str]) -> list[str]:
-        """Make the allocation's directory anew, removing those of the ``freed``; those not all removed yet."""
-        left = [other for other in freed if not self.layer.remove(other)]
-        self.layer.create(allocation, memories, units)
-        return left
+    def _make(self, allocation: str, record: Record, freed: Sequence[str]) -> socket.socket | None:
+        """Blocks: the freed allocations' socket and record removed, this one's record written and, where its
+        ledger is not served yet, its socket bound."""
+        for other in freed:
+            self._remove(other)
+        self.layer.write_record(allocation, record)
+        return None if allocation in self.ledgers else self.ledgers.bind(allocation)
+
+    def _close(self, allocation: str) -> None:
+        self.ledgers.close(allocation)
+        self._allocations.pop(allocation, None)
+        self._slices.pop(allocation, None)
+
+    async def _forget(self, allocation: str) -> None:
+        self._close(allocation)
+        await asyncio.to_thread(self._remove, allocation)
+
+    def _remove(self, allocation: str) -> None:
+        self.ledgers.remove(allocation)
+        self.layer.remove_record(allocation)
 
     async def keep_in_use(self) -> None:
-        """Duty: ask the kubelet which units are assigned (and to whom, for /metrics), and remove the directories of
-        the others."""
+        """Duty: ask the kubelet which units are assigned (and to whom, for /metrics), and close the ledgers of the
+        others."""
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval):
@@ -144,39 +156,26 @@ class Enforcer:
                 # The kubelet records an assignment once Allocate has answered: ask a moment later.
                 self._allocated.clear()
                 await asyncio.sleep(OWNERS_DELAY_S)
-            if self._allocations or self._unknown or self._leftover:
+            if self._allocations:
                 await self.check()
 
     async def check(self) -> None:
-        for allocation in sorted(self._leftover):
-            if await asyncio.to_thread(self.layer.remove, allocation):
-                self._leftover.discard(allocation)
-                log.info("removed the rest of the layer directory of allocation %s", allocation)
         assigned = await self._assigned()
         if assigned is None:
             return
         now = time.monotonic()
-        for allocation in [a for a in self._unknown if a in self._held]:
-            del self._unknown[allocation]
-            self._allocations[allocation] = (self._held[allocation], now - self.grace)
-            log.info("allocation %s, made by an earlier version, is held by a container: kept", allocation)
         gone = [allocation for allocation, (units, made) in self._allocations.items()
                 if now - made >= self.grace and not units & assigned]
-        unheld = [allocation for allocation, found in self._unknown.items() if now - found >= self.grace]
-        for allocation in gone + unheld:
-            if not await asyncio.to_thread(self.layer.remove, allocation):
-                self._leftover.add(allocation)
-            self._allocations.pop(allocation, None)
-            self._unknown.pop(allocation, None)
-            self._slices.pop(allocation, None)
-        if gone or unheld:
-            log.info("removed the layer directories of %d freed allocation(s)", len(gone) + len(unheld))
+        for allocation in gone:
+            await self._forget(allocation)
+        if gone:
+            log.info("closed the ledgers of %d freed allocation(s)", len(gone))
 
     async def _assigned(self) -> set[str] | None:
         if not self.pod_resources.exists():
             if not self._said_no_pod_resources:
-                log.info("no kubelet PodResources socket at %s: the layer directories of freed units are removed "
-                         "when the units are allocated again", self.pod_resources)
+                log.info("no kubelet PodResources socket at %s: the ledgers of freed units are closed when the units "
+                         "are allocated again", self.pod_resources)
                 self._said_no_pod_resources = True
             return None
         try:
@@ -189,13 +188,4 @@ class Enforcer:
         self._owners = {device_id: (pod.namespace, pod.name, container.name) for pod in answer.pod_resources
                         for container in pod.containers for devices in container.devices
                         for device_id in devices.device_ids}
-        if self._unknown:
-            # The kubelet may list a container's units of one resource in several entries (one per NUMA node).
-            groups: dict[tuple[str, str, str, str], set[str]] = {}
-            for pod in answer.pod_resources:
-                for container in pod.containers:
-                    for devices in container.devices:
-                        key = (pod.namespace, pod.name, container.name, devices.resource_name)
-                        groups.setdefault(key, set()).update(devices.device_ids)
-            self._held = {allocation_id(list(units)): frozenset(units) for units in groups.values()}
         return set(self._owners)

@@ -1,7 +1,8 @@
 """The ``gpuppetti plugin`` process: its duties, started by the runtime and stopped on one path.
 
-Duties: the HTTP endpoint (first, so that /livez answers during start-up), the socket watcher, the reconciler and
-one supervisor per resource, the health monitor's duties, node labels, and config reloads.
+Duties: the HTTP endpoint (first, so that /livez answers during start-up), the allocations' ledgers and the check
+of who holds them, the socket watcher, the reconciler and one supervisor per resource, the health monitor's duties,
+node labels, and config reloads.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     enforcer = None
     enforcement = await install_layer(options.serving.vulkan_layer_dir)
     metrics.enforced(enforcement.enforced, hooks=False)
-    if (layer := enforcement.layer) is not None:
-        enforcer = Enforcer(layer, pod_resources_socket(options.device_plugin_dir))
+    if (layer := enforcement.layer) is not None and (ledgers := enforcement.ledgers) is not None:
+        enforcer = Enforcer(layer, ledgers, pod_resources_socket(options.device_plugin_dir))
         metrics.watch_slices(enforcer)
+        # Closed at stop whatever else fails: the containers' processes wait for the next daemon.
+        runtime.spawn("ledgers", ledgers.keep())
         await enforcer.start({unit.id for plan in inventory.plan.values() for unit in plan.units})
-        runtime.spawn("layer-directories", enforcer.keep_in_use())
+        runtime.spawn("ledger-owners", enforcer.keep_in_use())
     manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.serving.cdi_dir,
                                   enforcer=enforcer)
 

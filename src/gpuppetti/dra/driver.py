@@ -153,26 +153,25 @@ class GpuDriver:
         return answers
 
     def slice_uses(self) -> list[SliceRow]:
-        """Each held slice of a prepared claim, as its accounting file says, labelled with the claim's namespace, the
-        pods it is reserved for, its GPU and device (metrics.SliceUses). Blocks: it reads the files."""
-        layer = self.store.layer
-        if layer is None:
+        """Each held slice of a prepared claim, as its ledger says, labelled with the claim's namespace, the pods it
+        is reserved for, its GPU and device (metrics.SliceUses)."""
+        ledgers = self.store.ledgers
+        if ledgers is None:
             return []
         devices = self._inventory.snapshot.pool.devices
         found = []
         for uid, record in list(self.store.records.items()):
             if record.state != COMPLETED:
                 continue
-            # Each request's directory is named from the request (layer_allocation), never parsed back into it.
+            # Each request's ledger is named from the request (layer_allocation), never parsed back into it.
             requests = dict.fromkeys(name for device in record.devices for name in device.request_names)
             for request in requests:
                 allocation = layer_allocation(uid, request)
-                memories = record.layer_allocations.get(allocation)
-                if memories is None:
+                if allocation not in record.layer_allocations:
                     continue
                 # A request's slices are in the order of its prepared devices (plan_claim).
                 names = [device.device for device in record.devices if device.request_names == [request]]
-                for use in layer.usage(allocation, len(memories)):
+                for use in ledgers.usage(allocation):
                     name = names[use.index] if use.index < len(names) else ""
                     gpu = devices[name].gpu_id if name in devices else ""
                     found.append(SliceRow(record.namespace, self._pods.get(uid, ""), "", gpu, name, use))

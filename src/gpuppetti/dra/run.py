@@ -1,9 +1,9 @@
 """The ``gpuppetti dra`` process: its duties, started by the runtime and stopped on one path.
 
 Duties: the HTTP endpoint (first), the kubelet services (the DRA service, then the registration socket; stopped
-the other way round), the CDI directory's keeper, the slice publisher, the health monitor, and reloads. Nothing
-waits for the API server: the driver registers with the kubelet and serves Unprepare whatever the API does, and
-the publisher converges once the API is back.
+the other way round), the claims' ledgers, the CDI directory's keeper, the slice publisher, the health monitor, and
+reloads. Nothing waits for the API server: the driver registers with the kubelet and serves Unprepare whatever the
+API does, and the publisher converges once the API is back.
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         raise StartupError(str(exc)) from exc
     enforcement = await install_layer(serving.vulkan_layer_dir)
     metrics.enforced(enforcement.enforced)
-    store = ClaimStore(serving.cdi_dir, checkpoint, layer=enforcement.layer)
+    store = ClaimStore(serving.cdi_dir, checkpoint, layer=enforcement.layer, ledgers=enforcement.ledgers)
+    if enforcement.ledgers is not None:
+        # Closed at stop whatever else fails: the containers' processes wait for the next driver.
+        runtime.spawn("ledgers", enforcement.ledgers.keep())
     restored = await store.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
@@ -126,7 +129,6 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
 
     runtime.spawn("kubelet-services", serve_and_register(dra_endpoint, registration_endpoint, f"DRA driver {driver}"))
     runtime.spawn("cdi-specs", store.keep_specs())
-    runtime.spawn("layer-trash", store.empty_trash())
     runtime.spawn("slices-inventory", publisher.follow_inventory())
     runtime.spawn("slices-reconcile", publisher.reconcile_loop())
     runtime.spawn("slices-watch", publisher.watch())

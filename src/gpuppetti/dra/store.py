@@ -1,5 +1,5 @@
 """What the DRA driver keeps on the node, committed and restored together: the checkpoint, the claims' CDI specs and
-their Vulkan layer directories.
+their ledgers (layer/ledger.py: one per request held to a slice, served on a socket in a directory of the driver's).
 
 The promises, kept after any fault: a claim is answered as prepared only once the checkpoint says so, and
 unprepared only once the checkpoint no longer holds it; what the kubelet was last told, the checkpoint, the CDI
@@ -13,26 +13,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import secrets
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuppetti.base.backoff import Backoff
-from gpuppetti.base.fsutil import is_mount_point, make_directory, remove_file
+from gpuppetti.base.fsutil import make_directory, remove_file
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
 from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice, named
+from gpuppetti.layer.ledger import Ledgers, Terms
 from gpuppetti.layer.vulkan import LayerDir
 
 log = logging.getLogger(__name__)
-
-# Beside the layer's allocations, on the same file system: a claim's directory is renamed into it under the lock
-# (one rename) and removed from there with no lock held, however many files a tenant left in it.
-TRASH = "dra-trash"
 
 Answer = list[PreparedDevice] | PrepareError
 
@@ -70,23 +66,28 @@ def _remove_specs(directory: Path, filenames: Sequence[str]) -> None:
             log.error("cannot remove CDI spec %s: %s", directory / filename, exc.strerror or exc)
 
 
+Listeners = dict[str, tuple[socket.socket, list[int]]]
+
+
+def _terms(memories: Sequence[int]) -> list[Terms]:
+    # The checkpoint keeps each slice's memory; its compute share is in the container's env (0: as that says).
+    return [Terms(memory, 0) for memory in memories]
+
+
 class ClaimStore:
-    """The checkpoint, the CDI specs and the layer's directories of the driver's claims; changes are serialised."""
+    """The checkpoint, the CDI specs and the ledgers of the driver's claims; changes are serialised."""
 
     def __init__(self, cdi_dir: Path, checkpoint: Checkpoint, kind: str = cdi.DEFAULT_KIND,
-                 layer: LayerDir | None = None) -> None:
+                 layer: LayerDir | None = None, ledgers: Ledgers | None = None) -> None:
         self.cdi_dir = cdi_dir
         self.checkpoint = checkpoint
         self.kind = kind
-        # Where slices are enforced: the Vulkan layer's directory (None: they are not).
+        # Where slices are enforced: the Vulkan layer's directory and the claims' ledgers (None: they are not).
         self.layer = layer
+        self.ledgers = ledgers if layer is not None else None
         self._lock = asyncio.Lock()
         # Prepared claims whose CDI spec could not be written back (a full directory), and why.
         self.missing_specs: dict[str, str] = {}
-        # Layer directories of claims that went, renamed here to be removed outside the lock (empty_trash).
-        self.trash = None if layer is None else LayerDir(layer.path / TRASH)
-        self._trashed = asyncio.Event()
-        self._trashed.set()  # what an earlier instance left there goes too
 
     @property
     def records(self) -> Mapping[str, ClaimRecord]:
@@ -115,11 +116,17 @@ class ClaimStore:
         remove specs the checkpoint does not hold as prepared. Returns how many were re-created; those that could
         not be are in ``missing_specs`` until a later call succeeds."""
         async with self._lock:
-            restored = await _run_to_the_end(self._restore)
-        self._trashed.set()
+            restored, listeners = await _run_to_the_end(self._restore)
+            await self._serve(listeners, restored=True)
         return restored
 
-    def _restore(self) -> int:
+    async def _serve(self, listeners: Listeners, restored: bool = False) -> None:
+        assert self.ledgers is not None or not listeners
+        for allocation, (listener, memories) in listeners.items():
+            assert self.ledgers is not None
+            await self.ledgers.serve(allocation, listener, _terms(memories), restored)
+
+    def _restore(self) -> tuple[int, Listeners]:
         present = self._spec_files()
         wanted: dict[str, tuple[str, bytes]] = {}
         for uid, record in self.checkpoint.claims.items():
@@ -129,8 +136,7 @@ class ClaimStore:
                 present.discard(record.cdi_file)
         # Left over from a claim unprepared (or never completed) when the driver stopped: nobody's.
         _remove_specs(self.cdi_dir, sorted(present))
-        if self.layer is not None:
-            self._restore_layer_dirs()
+        listeners = self._restore_ledgers() if self.ledgers is not None else {}
         failed = _write_specs(self.cdi_dir, wanted) if wanted else {}
         for uid, why in failed.items():
             if self.missing_specs.get(uid) != why:
@@ -138,22 +144,28 @@ class ClaimStore:
         for uid in self.missing_specs.keys() - failed.keys():
             log.info("re-created the CDI spec of prepared claim %s", uid)
         self.missing_specs = failed
-        return len(wanted) - len(failed)
+        return len(wanted) - len(failed), listeners
 
-    def _restore_layer_dirs(self) -> None:
-        """Each completed claim's layer directories there (kept as they are: running containers count in them),
-        as its checkpointed plan names them, and no other DRA claim's."""
-        assert self.layer is not None
+    def _restore_ledgers(self) -> Listeners:
+        """The sockets of each completed claim's ledgers not served yet (their containers' processes reconnect to
+        them and declare what they hold), as its checkpointed plan names them; no other DRA claim's directory
+        stays. Blocks: call it in a thread."""
+        ledgers = self.ledgers
+        assert ledgers is not None
         kept = {allocation: (uid, memories) for uid, record in self.checkpoint.claims.items()
                 if record.state == COMPLETED for allocation, memories in record.layer_allocations.items()}
-        for allocation in self.layer.existing():
+        for allocation in ledgers.on_disk():
             if allocation.startswith(LAYER_PREFIX) and allocation not in kept:
-                self._discard(allocation)
+                ledgers.remove(allocation)
+        listeners: Listeners = {}
         for allocation, (uid, memories) in kept.items():
+            if allocation in ledgers:
+                continue
             try:
-                self.layer.create(allocation, memories, fresh=False)
-            except (OSError, ValueError) as exc:
-                log.error("cannot re-create the Vulkan layer's directory of prepared claim %s: %s", uid, exc)
+                listeners[allocation] = (ledgers.bind(allocation), memories)
+            except OSError as exc:
+                log.error("cannot serve the ledger of prepared claim %s again: %s", uid, exc.strerror or exc)
+        return listeners
 
     async def keep_specs(self) -> None:
         """Duty: re-create the specs of prepared claims when something deletes them (or the whole directory), and
@@ -222,10 +234,12 @@ class ClaimStore:
                 else:
                     fresh[uid] = entry
             if fresh:
-                answers.update(await _run_to_the_end(self._commit, fresh))
+                committed, listeners = await _run_to_the_end(self._commit, fresh)
+                answers.update(committed)
+                await self._serve(listeners)
             return answers
 
-    def _commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> dict[str, Answer]:
+    def _commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> tuple[dict[str, Answer], Listeners]:
         """Blocks (fsync): run in one thread, under the lock."""
         started = {**self.checkpoint.claims, **{uid: ClaimRecord(uid, c.namespace, c.name, STARTED,
                                                                  layer_allocations=plan.allocations)
@@ -234,10 +248,11 @@ class ClaimStore:
             self.checkpoint.save(started)
         except OSError as exc:
             why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; nothing was prepared"
-            return dict.fromkeys(planned, PrepareError(why))
+            return dict.fromkeys(planned, PrepareError(why)), {}
         # Each spec is encoded once: its file and its checkpoint record hold the same bytes.
         specs = {uid: cdi.encode_spec(plan.spec).encode() for uid, (_, plan) in planned.items()}
-        failed = self._write(planned, specs)
+        listeners: Listeners = {}
+        failed = self._write(planned, specs, listeners)
         answers: dict[str, Answer] = {}
         completed = dict(started)
         for uid, (claim, plan) in planned.items():
@@ -254,31 +269,50 @@ class ClaimStore:
             # The file still says PrepareStarted: the kubelet is told these failed, and their specs go again, so
             # that its retry (which saves again) finds the three in agreement.
             _remove_specs(self.cdi_dir, [planned[uid][1].filename for uid in written])
+            self._unbind(listeners)
             why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; the kubelet will retry"
             answers.update(dict.fromkeys(written, PrepareError(why)))
-            return answers
+            return answers, {}
         debug = log.isEnabledFor(logging.DEBUG)
         for uid in written:
             claim, plan = planned[uid]
             answers[uid] = plan.devices
             if debug:
                 log.debug("prepared claim %s: %s", claim, ", ".join(d.device for d in plan.devices))
-        return answers
+        return answers, listeners
 
-    def _write(self, planned: Mapping[str, tuple[ClaimRef, Plan]], specs: Mapping[str, bytes]) -> dict[str, str]:
-        """The claims' layer directories, then their CDI specs (which mount them); the errors by claim."""
+    def _unbind(self, listeners: Listeners) -> None:
+        assert self.ledgers is not None or not listeners
+        for allocation, (listener, _) in listeners.items():
+            listener.close()
+            if self.ledgers is not None:
+                self.ledgers.remove(allocation)
+        listeners.clear()
+
+    def _write(self, planned: Mapping[str, tuple[ClaimRef, Plan]], specs: Mapping[str, bytes],
+               listeners: Listeners) -> dict[str, str]:
+        """The claims' ledgers' sockets (into ``listeners``, to be served once committed), then their CDI specs
+        (which mount their directories); the errors by claim."""
         failed: dict[str, str] = {}
+        ledgers = self.ledgers
         for uid, (_, plan) in planned.items():
+            if ledgers is None:
+                break
+            bound: Listeners = {}
             try:
                 for allocation_id, memories in plan.allocations.items():
-                    if self.layer is not None:
-                        self.layer.create(allocation_id, memories)
+                    if allocation_id not in ledgers:
+                        bound[allocation_id] = (ledgers.bind(allocation_id), memories)
             except OSError as exc:
-                failed[uid] = f"creating the Vulkan layer's directory in {self.layer} failed: {exc.strerror or exc}"
+                self._unbind(bound)
+                failed[uid] = f"making the ledger's socket in {ledgers.root} failed: {exc.strerror or exc}"
+            listeners.update(bound)
         files = {plan.filename: specs[uid] + b"\n" for uid, (_, plan) in planned.items() if uid not in failed}
         by_file = {plan.filename: uid for uid, (_, plan) in planned.items()}
         for filename, error in cdi.write_spec_files(self.cdi_dir, files).items():
-            failed[by_file[filename]] = f"writing the CDI spec into {self.cdi_dir} failed: {error.strerror or error}"
+            uid = by_file[filename]
+            failed[uid] = f"writing the CDI spec into {self.cdi_dir} failed: {error.strerror or error}"
+            self._unbind({a: listeners.pop(a) for a in planned[uid][1].allocations if a in listeners})
         return failed
 
     # -- unprepare --------------------------------------------------------------------------------------------
@@ -305,76 +339,15 @@ class ClaimStore:
             # After the checkpoint let them go; a spec the checkpoint never held goes too.
             await _run_to_the_end(_remove_specs, self.cdi_dir,
                                   [cdi.spec_filename(self.kind, claim.uid) for claim in claims])
-            if directories:
-                await _run_to_the_end(self._discard_all, directories)
-                self._trashed.set()
+            if directories and self.ledgers is not None:
+                for allocation in directories:
+                    self.ledgers.close(allocation)
+                await _run_to_the_end(self._remove_ledgers, directories)
             for claim in claims:
                 self.missing_specs.pop(claim.uid, None)
             return {claim.uid: "" for claim in claims}
 
-    # -- layer directories that went -------------------------------------------------------------------------
-
-    def _discard(self, allocation: str) -> None:
-        """Move a claim's layer directory into the trash: one rename, so that the lock is held for no more,
-        whatever the directory holds. Blocks (a system call or two): call it in a thread."""
-        assert self.layer is not None and self.trash is not None
-        source = self.layer.allocations / allocation
-        if is_mount_point(source):
-            # A tmpfs of its own, sized for its accounting files: bounded, so removed here at once (rename(2)
-            # would refuse a mount point, EBUSY). What cannot go is retried by the next Unprepare or start.
-            self.layer.remove(allocation)
-            return
-        # A name of its own in the trash: an earlier directory of the same claim may still be there.
-        target = self.trash.allocations / f"{allocation[:100]}.{secrets.token_hex(4)}"
-        try:
-            make_directory(self.trash.allocations)
-            os.rename(source, target)
-        except FileNotFoundError:
-            if source.exists():
-                log.error("cannot move the Vulkan layer's directory %s into %s: it vanished", source, target.parent)
-        except OSError as exc:
-            log.error("cannot move the Vulkan layer's directory %s into %s (%s); it stays until the driver starts "
-                      "again", source, target.parent, exc.strerror or exc)
-
-    def _discard_all(self, allocations: Sequence[str]) -> None:
+    def _remove_ledgers(self, allocations: Sequence[str]) -> None:
+        assert self.ledgers is not None
         for allocation in allocations:
-            self._discard(allocation)
-
-    def _empty_trash(self) -> list[str]:
-        """Remove what the trash holds; returns what could not be removed. Blocks: call it in a thread."""
-        assert self.trash is not None
-        try:
-            entries = list(os.scandir(self.trash.allocations))
-        except FileNotFoundError:
-            return []
-        left = []
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                self.trash.remove(entry.name)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-            if os.path.lexists(entry.path):
-                left.append(entry.name)
-        return left
-
-    async def empty_trash(self) -> None:
-        """Duty: remove the layer directories of claims that went, with no lock held, as they arrive and at
-        start; what cannot be removed is logged and tried again after a while."""
-        if self.trash is None:
-            return
-        backoff = Backoff(1.0, 300.0)
-        while True:
-            await self._trashed.wait()
-            self._trashed.clear()
-            left = await asyncio.to_thread(self._empty_trash)
-            if not left:
-                backoff.reset()
-                continue
-            delay = backoff.next()
-            log.warning("cannot remove %d directory(ies) from %s yet (%s); trying again in %.0fs", len(left),
-                        self.trash.allocations, ", ".join(left[:3]), delay)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await self._trashed.wait()
-            self._trashed.set()
+            self.ledgers.remove(allocation)

@@ -63,7 +63,7 @@ class HttpServer:
     async def _metrics_page(self) -> Answer:
         from prometheus_client import generate_latest
 
-        # In a thread: the slice collectors read the layer's accounting files, and nothing blocks the event loop.
+        # In a thread: rendering a node's pages takes a while, and nothing blocks the event loop.
         page = await asyncio.to_thread(generate_latest, self._metrics.registry)
         return Answer(200, page, CONTENT_TYPE_LATEST)
 

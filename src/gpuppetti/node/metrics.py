@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gpuppetti.layer.vulkan import SliceUse
+from gpuppetti.layer.ledger import SliceUse
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.sharing.limits import gpu_enforced_by
 
@@ -34,7 +34,7 @@ SLICE_LABELS = ["namespace", "pod", "container", "gpu", "unit"]
 @dataclass(frozen=True)
 class SliceRow:
     """One slice a container holds: who holds it (namespace, pod and container, empty where not known), its GPU and
-    the unit(s) or device(s) it is; and what the layer's accounting file says of it."""
+    the unit(s) or device(s) it is; and what its ledger says of it."""
 
     namespace: str
     pod: str
@@ -51,7 +51,7 @@ class SliceRow:
 
 class SliceUses(Protocol):
     """Where the slices held by containers are, and who holds them (the device plugin's Enforcer, the DRA state).
-    Called off the event loop, at scrape time: it reads the layer's accounting files."""
+    Called at scrape time, off the event loop: it reads the ledgers as they stand."""
 
     def slice_uses(self) -> list[SliceRow]: ...
 

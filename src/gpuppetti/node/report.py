@@ -64,8 +64,8 @@ def gpu_record(gpu: Gpu, resource: str | None, replicas: int | None,
 
 
 def slice_records(source: SliceUses | None) -> list[dict[str, Any]]:
-    """Each slice a container holds, as /v1/slices serves it (and `gpuppetti top` shows it). Blocks: it reads the
-    layer's accounting files."""
+    """Each slice a container holds, as /v1/slices serves it (and `gpuppetti top` shows it). It reads the
+    ledgers as they stand."""
     records = []
     for row in source.slice_uses() if source is not None else []:
         use = row.use

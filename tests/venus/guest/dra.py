@@ -38,7 +38,7 @@ API_HOST, API_PORT = "127.0.0.1", 6443
 REGISTRY = Path("/var/lib/kubelet/plugins_registry")
 PLUGINS = Path("/var/lib/kubelet/plugins")
 CDI_DIR = Path("/var/run/cdi")
-LAYER_ALLOCATIONS = Path("/var/lib/gpuppetti/vulkan/allocations")
+LAYER_ALLOCATIONS = Path("/var/lib/gpuppetti/vulkan/ledgers")
 CONFIG = Path("/run/gpuppetti-dra/dra.yaml")
 KUBECONFIG = Path("/run/gpuppetti-dra/kubeconfig")
 

@@ -23,6 +23,7 @@ from gpuppetti.commands.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.core.config import ConfigError
 from gpuppetti.discovery import BackendUnavailable
 from gpuppetti.hostagent.client import AgentError
+from gpuppetti.layer.ledger import Ledgers
 from gpuppetti.layer.vulkan import (
     BUILD_FIX,
     BUILT,
@@ -236,8 +237,8 @@ def layer_check(directory: Path | None) -> Result:
     if len(installed) < 3:
         return warn(check, f"not installed in {directory} yet: the plugin or driver installs it when it starts",
                     "start the daemon with this --vulkan-layer-dir (the DaemonSets mount /var/lib/gpuppetti/vulkan)")
-    allocations = LayerDir(directory).existing()
-    return ok(check, f"installed in {directory}; {len(allocations)} allocation(s) held to their slices")
+    ledgers = Ledgers(LayerDir(directory).ledgers).on_disk()
+    return ok(check, f"installed in {directory}; {len(ledgers)} allocation(s) held to their slices")
 
 
 def layer_holds(directory: Path | None, found: Discovered | None) -> bool:
