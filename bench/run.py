@@ -12,9 +12,11 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,7 @@ from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.kubelet.emulator import KubeletEmulator, PluginEndpoint
 from gpuppetti.kubelet.sandbox import vulkan_icd
 from gpuppetti.layer.ledger import SOCKET_NAME, Ledgers, Terms
-from gpuppetti.layer.vulkan import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir
+from gpuppetti.layer.vulkan import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir, manifest
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics
 from gpuppetti.sharing.budgets import Budget
@@ -559,14 +561,56 @@ async def _bench_dra_largest(workdir: Path, devices: int, figures: list[Figure])
 BARE_RATIO_GOAL = 1.2
 
 
+# The checkout this runs in: the reference layer is built from its history.
+ROOT = Path(__file__).resolve().parents[1]
 LAYER_CALLS = 20000
 LAYER_ROUNDS = 5
 LAYER_GOAL_NS = 1000.0
+# The layer as it was before each allocation's ledger moved into the daemon: its accounting in a file every process
+# of the container mapped and wrote. The ledger's layer is judged against it, in the same run.
+REFERENCE_LAYER_COMMIT = "632cdf1"
+REFERENCE_RATIO_GOAL = 1.5
+ACCT_HEADER = struct.Struct("<8sIIq")
+ACCT_FILE_SIZE = 36864
+
+
+def _explicit_layer(directory: Path, library: Path) -> Path:
+    """A directory holding the layer's manifest naming ``library``, for VK_LAYER_PATH (loaded as an explicit
+    layer: the installed manifest names the container's path)."""
+    directory.mkdir(parents=True)
+    document: dict[str, Any] = manifest()
+    document["layer"]["library_path"] = str(library)
+    (directory / "VkLayer_gpuppetti.json").write_text(json.dumps(document))
+    return directory
+
+
+async def _reference_layer(workdir: Path) -> tuple[dict[str, str] | None, str]:
+    """The env that runs a process under the reference layer, built here from its sources at
+    REFERENCE_LAYER_COMMIT, with its accounting file; None and why where it cannot be built."""
+    root = workdir / "reference-layer"
+    root.mkdir()
+    archive = await asyncio.create_subprocess_shell(
+        f"git -C {shlex.quote(str(ROOT))} archive {REFERENCE_LAYER_COMMIT} native/vulkan-layer | tar -x -C "
+        f"{shlex.quote(str(root))} && make -s -C {shlex.quote(str(root / 'native' / 'vulkan-layer'))} "
+        f"OUT={shlex.quote(str(root / 'out'))} {shlex.quote(str(root / 'out' / LIBRARY))}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    said, _ = await archive.communicate()
+    if archive.returncode != 0:
+        return None, f"the reference layer ({REFERENCE_LAYER_COMMIT}) was not built: {said.decode()[-200:]}"
+    accounting = root / "accounting"
+    accounting.mkdir()
+    with (accounting / "slice-0.acct").open("wb") as acct:
+        acct.write(ACCT_HEADER.pack(b"GPPTVK01", 1, 256, 1 << 40))
+        acct.truncate(ACCT_FILE_SIZE)
+    return {"VK_LAYER_PATH": str(_explicit_layer(root / "explicit", root / "out" / LIBRARY)),
+            "VK_INSTANCE_LAYERS": LAYER_NAME, "GPUPPETTI_VK_SLICES": f"any={1 << 40}",
+            "GPUPPETTI_VK_ACCOUNTING": str(accounting)}, ""
 
 
 async def bench_vulkan_layer(workdir: Path, figures: list[Figure]) -> None:
-    """The layer's cost per vkAllocateMemory and vkFreeMemory: the probe's timed calls on lavapipe with the layer
-    and without it, rounds interleaved, in this one run."""
+    """The layer's cost per vkAllocateMemory and vkFreeMemory: the probe's timed calls on lavapipe without a layer,
+    with the layer before the ledger moved into the daemon, and with this one, rounds interleaved, in this one
+    run."""
     probe = BUILT / PROBE
     if not probe.exists() or vulkan_icd() is None:
         figures.append(Figure("Vulkan layer: added cost per vkAllocateMemory", None, "ns", "< 1 µs", None,
@@ -574,32 +618,47 @@ async def bench_vulkan_layer(workdir: Path, figures: list[Figure]) -> None:
         return
     layer = LayerDir(workdir / "vulkan")
     layer.install()
-    (workdir / "vulkan" / "explicit").mkdir()
-    # The installed manifest names the container's path; here the layer is loaded as an explicit layer from ours.
-    document = json.loads((layer.path / "VkLayer_gpuppetti.json").read_text())
-    document["layer"]["library_path"] = str(layer.path / LIBRARY)
-    (workdir / "vulkan" / "explicit" / "VkLayer_gpuppetti.json").write_text(json.dumps(document))
     ledgers = Ledgers(layer.ledgers)
     await ledgers.open("bench", [Terms(1 << 40)])
-    with_layer = {**os.environ, "VK_LAYER_PATH": str(workdir / "vulkan" / "explicit"),
+    without = {key: value for key, value in os.environ.items() if not key.startswith(("VK_", "GPUPPETTI_VK"))}
+    with_layer = {**without, "VK_LAYER_PATH": str(_explicit_layer(workdir / "explicit", layer.path / LIBRARY)),
                   "VK_INSTANCE_LAYERS": LAYER_NAME, "GPUPPETTI_VK_SLICES": f"any={1 << 40}",
                   "GPUPPETTI_VK_LEDGER": str(ledgers.directory("bench") / SOCKET_NAME)}
-    without = {key: value for key, value in os.environ.items() if not key.startswith(("VK_", "GPUPPETTI_VK"))}
-    samples: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
+    reference, why_not = await _reference_layer(workdir)
+    modes = {"without": without, "with": with_layer}
+    if reference is not None:
+        modes["reference"] = {**without, **reference}
+    samples: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     for _ in range(LAYER_ROUNDS):
-        for mode, env in (("without", without), ("with", with_layer)):
+        for mode, env in modes.items():
             process = await asyncio.create_subprocess_exec(str(probe), "--bench", str(LAYER_CALLS), env=env,
                                                            stdout=asyncio.subprocess.PIPE)
             out, _ = await process.communicate()
             samples[mode].append(json.loads(out))
+
+    def p50(mode: str, call: str) -> float:
+        return float(statistics.median(s[f"{call}_ns"]["p50"] for s in samples[mode]))
+
     for call in ("allocate", "free"):
-        base = statistics.median(s[f"{call}_ns"]["p50"] for s in samples["without"])
-        layered = statistics.median(s[f"{call}_ns"]["p50"] for s in samples["with"])
+        base, layered = p50("without", call), p50("with", call)
         added = layered - base
         name = "vkAllocateMemory" if call == "allocate" else "vkFreeMemory"
         figures.append(Figure(f"Vulkan layer: added cost per {name} (median)", added, "ns", "< 1 µs",
                               added < LAYER_GOAL_NS, f"p50 {layered:,.0f} ns with the layer, {base:,.0f} ns "
                               f"without, lavapipe, {LAYER_ROUNDS} interleaved rounds of {LAYER_CALLS:,} calls"))
+    pair = {mode: p50(mode, "allocate") + p50(mode, "free") for mode in modes}
+    if reference is None:
+        figures.append(Figure("Vulkan layer: vkAllocateMemory + vkFreeMemory against the layer before the ledger",
+                              None, "x", f"≤ {REFERENCE_RATIO_GOAL:g}x", None, f"not measured: {why_not}"))
+    else:
+        ratio = pair["with"] / pair["reference"]
+        figures.append(Figure(
+            "Vulkan layer: vkAllocateMemory + vkFreeMemory against the layer before the ledger", ratio, "x",
+            f"≤ {REFERENCE_RATIO_GOAL:g}x", ratio <= REFERENCE_RATIO_GOAL,
+            f"{pair['with'] / 1000:.2f} µs with the ledger's layer, {pair['reference'] / 1000:.2f} µs with the "
+            f"layer of {REFERENCE_LAYER_COMMIT} (its accounting in a file the container wrote), "
+            f"{pair['without'] / 1000:.2f} µs without a layer: sums of the p50s, 4 KiB allocations on lavapipe, "
+            f"{LAYER_ROUNDS} interleaved rounds of {LAYER_CALLS:,} calls"))
     await _bench_compute_share(probe, with_layer, figures)
     ledgers.close_all()
 
