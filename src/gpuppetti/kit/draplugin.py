@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+import msgspec
 
 from gpuppetti._proto.dra.v1 import api_pb2 as v1
 from gpuppetti._proto.dra.v1 import api_pb2_grpc as v1_grpc
@@ -56,9 +57,10 @@ def named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
     return f"{len(claims)} claim(s): {names}{more}"
 
 
-# Slots: a driver holds these for every prepared claim, and a node may hold a thousand.
-@dataclass(frozen=True, slots=True)
-class PreparedDevice:
+# A Struct: compact (a driver holds these for every prepared claim, and a node may hold a thousand), and encoded
+# and decoded whole where a driver records them (the DRA driver's checkpoint, which takes a field it does not know
+# for damage).
+class PreparedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One device of a prepared claim, as the kubelet is told it."""
 
     request_names: list[str]
