@@ -1,15 +1,18 @@
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import json
+import os
 import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from gpuppetti.base import fsutil
 from gpuppetti.core import cdi
 from gpuppetti.dra import checkpoint as checkpoint_module
 from gpuppetti.dra.checkpoint import (
@@ -198,8 +201,7 @@ def test_the_order_of_the_fields_in_the_file_is_no_part_of_its_checksum(tmp_path
     assert checkpoint.claims == original.claims
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _EvolvedRecord(ClaimRecord):
+class _EvolvedRecord(ClaimRecord, frozen=True):
     # A field a later version adds: its name sorts between two of today's (cdi_spec and devices).
     cdi_version: str = "0.3.0"
 
@@ -207,10 +209,8 @@ class _EvolvedRecord(ClaimRecord):
 def test_a_field_added_to_the_records_is_written_checksummed_and_restored(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checkpoint_module, "ClaimRecord", _EvolvedRecord)
-    monkeypatch.setitem(checkpoint_module._CLAIM_FIELDS, "cdi_version", lambda v: isinstance(v, str))
     base = _record("3f2a1b0c-0000-4000-8000-000000000009")
-    evolved = _EvolvedRecord(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ClaimRecord)},
-                             cdi_version="1.0.0")
+    evolved = _EvolvedRecord(**msgspec.structs.asdict(base), cdi_version="1.0.0")
     saved = Checkpoint(tmp_path / "checkpoint.json")
     saved.save({evolved.uid: evolved})
     assert json.loads(saved.path.read_bytes())["claims"][evolved.uid]["cdi_version"] == "1.0.0"
@@ -279,3 +279,56 @@ def test_the_size_bound_holds_ten_thousand_claims_of_several_devices(tmp_path: P
     checkpoint.save({uid: record(uid) for uid in uids})
     assert checkpoint.path.stat().st_size < checkpoint_module.MAX_BYTES
     assert Checkpoint(checkpoint.path).load() is None
+
+
+def test_the_file_is_the_document_type_whole_and_its_checksum_is_over_the_claims_as_written(tmp_path: Path) -> None:
+    records = {uid: _record(uid) for uid in ("b", "a")}
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json")
+    checkpoint.save(records)
+    written = checkpoint.path.read_bytes()
+    assert written.endswith(b"}\n") and written.count(b"\n") == 1
+    document = msgspec.json.decode(written, type=checkpoint_module.Document)
+    assert document.version == "v1"
+    assert document.checksum == hashlib.sha256(bytes(document.claims)).hexdigest()
+    assert checkpoint_module.decode(written) == (records, "v1")
+    assert list(json.loads(bytes(document.claims))) == ["a", "b"], "the claims in their canonical order"
+
+
+def test_a_save_is_one_durable_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writes: list[dict[str, Any]] = []
+
+    def atomic_write(path: Path, data: Any, **options: Any) -> None:
+        writes.append(options)
+        fsutil.atomic_write(path, data, **options)
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint_module, "atomic_write", atomic_write)
+    monkeypatch.setattr("gpuppetti.base.fsutil.os.fsync", fsync)
+    checkpoint = Checkpoint(tmp_path / "checkpoint.json")
+    checkpoint.save({uid: _record(uid) for uid in ("a", "b", "c")})
+    assert len(writes) == 1 and writes[0].get("durable", True), "one write, fsynced"
+    assert synced, "the file is fsynced"
+
+
+def test_a_checksum_of_the_first_v1_writers_is_migrated_on_load(tmp_path: Path) -> None:
+    # Text that is not ASCII outside a spec: the first writers' checksum escaped it, today's does not.
+    record = _record("3f2a1b0c-0000-4000-8000-00000000000a")
+    record = msgspec.structs.replace(record, devices=[PreparedDevice(["gpü"], "node1", "gpu-apple-0", [])])
+    claims = {**json.loads(msgspec.json.encode(msgspec.structs.asdict(record) | {"cdi_spec": None})),
+              "cdi_spec": json.loads(record.cdi_spec or b"")}
+    document = {"version": "v1", "checksum": _legacy_checksum({record.uid: claims}), "claims": {record.uid: claims}}
+    path = tmp_path / "checkpoint.json"
+    path.write_text(json.dumps(document))
+    checkpoint = Checkpoint(path)
+    assert checkpoint.load() is None, "not taken for a corrupt file"
+    assert checkpoint.claims == {record.uid: record}
+    checkpoint.save(checkpoint.claims)
+    rewritten = json.loads(path.read_bytes())
+    assert rewritten["checksum"] != document["checksum"], "written again with today's checksum"
+    assert Checkpoint(path).load() is None

@@ -15,7 +15,7 @@ import pytest
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.dra.slices import pool_content
 from gpuppetti.kit.publisher import SlicePublisher
-from gpuppetti.node.inventory import Inventory
+from gpuppetti.node.inventory import Inventory, Snapshot
 from gpuppetti.node.kube import Kube, load_config
 from gpuppetti.node.metrics import Metrics
 from tests.dra_support import DRIVER, NODE, validate
@@ -34,9 +34,9 @@ class Bench:
     kube: Kube
     inventory: Inventory
 
-    def publisher(self) -> SlicePublisher:
+    def publisher(self) -> SlicePublisher[Snapshot]:
         """A publisher as a driver's process starts one: nothing written yet as far as it knows."""
-        return SlicePublisher(self.kube, self.inventory, pool_content, NODE, Metrics())
+        return SlicePublisher(self.kube, self.inventory, pool_content, NODE, DRIVER, Metrics())
 
     def slices(self) -> dict[str, dict[str, Any]]:
         return {s["metadata"]["name"]: s for s in self.api.list("resourceslices")}
@@ -146,7 +146,7 @@ async def test_with_its_node_the_node_owns_the_slices(bench: Bench) -> None:
 
 async def test_the_wait_for_registration_is_logged_once(bench: Bench, caplog: pytest.LogCaptureFixture) -> None:
     registered = asyncio.Event()
-    publisher = SlicePublisher(bench.kube, bench.inventory, pool_content, NODE, Metrics(), registered)
+    publisher = SlicePublisher(bench.kube, bench.inventory, pool_content, NODE, DRIVER, Metrics(), registered)
     with caplog.at_level(logging.INFO, logger="gpuppetti.kit.publisher"):
         waiting = [asyncio.create_task(publisher.wait_registered()) for _ in range(2)]
         await asyncio.sleep(0.05)

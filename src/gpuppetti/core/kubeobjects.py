@@ -1,4 +1,5 @@
-"""The Kubernetes objects the DRA driver reads and writes, typed: ResourceClaims (read) and ResourceSlices (written).
+"""The Kubernetes objects the DRA driver reads and writes, typed: ResourceClaims (read) and ResourceSlices (written),
+and the one error a call to the API raises.
 
 Only the fields the driver uses are modelled. Reading ignores the rest (the API server adds fields over time);
 writing leaves out what is unset, so that the objects stay as small as the API allows. What is read is decoded
@@ -13,6 +14,16 @@ from typing import Any, Literal, Required, TypedDict
 import msgspec
 
 RESOURCE_API = "resource.k8s.io/v1"
+
+
+class ApiError(Exception):
+    """The API server refused a request, could not be reached, or answered something that is not what was asked
+    for. ``status`` is None when there was no answer. Every call to the API raises it and nothing else, so that a
+    caller can retry it and let any other exception (a bug) through."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Object(msgspec.Struct, frozen=True, kw_only=True, rename="camel", omit_defaults=True):

@@ -5,6 +5,12 @@ so a crash in between is redone on the kubelet's retry. ``claims`` is always wha
 saved first and taken only once the save succeeded, so a failed save (a full disk) leaves memory, the file and
 what the kubelet was told in agreement.
 
+The document and its records are msgspec types, encoded and decoded whole: their types say what a valid file holds
+(a checksum proves the file is whole, not that what wrote it was right), and the checksum is over the claims'
+canonical encoding (keys sorted at every level), so the order of the fields in a file is no part of it. A file
+whose checksum the first v1 writers computed their own way is taken as theirs (a migration on load); the next save
+writes it anew.
+
 A corrupt file is reported loudly and moved aside: the driver keeps serving rather than crash-looping, and the
 kubelet's retries prepare the claims again. A file written by a newer version is read for what this version knows,
 and a copy of it is kept beside it, so a downgrade keeps its prepared claims and loses nothing silently.
@@ -12,21 +18,17 @@ and a copy of it is kept beside it, so a downgrade keeps its prepared claims and
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import itertools
 import json
 import logging
 import os
-import re
 import shutil
 import stat
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -41,80 +43,88 @@ State = Literal["PrepareStarted", "PrepareCompleted"]
 STARTED: Final = "PrepareStarted"
 COMPLETED: Final = "PrepareCompleted"
 
+# A path component the checkpoint names (a CDI spec's file, a layer directory, a claim's uid): a plain name, never a
+# way out of its directory.
+Component = Annotated[str, msgspec.Meta(pattern=r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,252}\Z")]
 
-@dataclass(frozen=True, slots=True)
-class ClaimRecord:
-    uid: str
+
+class SpecJson(bytes):
+    """A claim's CDI spec as its file holds it (canonical JSON, cdi.encode_spec, less the newline): the record's entry
+    in the checkpoint and the spec's file are written from these bytes, never from a dict kept beside them. In the
+    checkpoint it is the JSON object it is, inserted as it is."""
+
+
+if TYPE_CHECKING:
+    # What callers give and get: the spec's bytes (a record made from plain bytes holds them as SpecJson).
+    _Spec = bytes
+else:
+    _Spec = SpecJson
+
+
+class ClaimRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    uid: Component
     namespace: str
     name: str
     state: State
-    devices: list[PreparedDevice] = field(default_factory=list)
-    # The claim's CDI spec as its file holds it (canonical JSON, cdi.encode_spec, less the newline): the record's
-    # entry in the file and the spec's file are written from these bytes, never from a dict kept beside them. In
-    # the file it is a JSON object.
-    cdi_spec: bytes | None = None
-    cdi_file: str | None = None
+    devices: list[PreparedDevice] = msgspec.field(default_factory=list)
+    cdi_spec: _Spec | None = None
+    cdi_file: Component | None = None
     # The Vulkan layer's directory of each request held to a slice, with each GPU's memory budget: recorded with
     # the plan, before the directories exist, so that restore and unprepare know exactly which are the claim's.
-    layer_allocations: dict[str, list[int]] = field(default_factory=dict)
+    layer_allocations: dict[Component, list[int]] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Plain bytes would be written as base64: held as SpecJson, they are written as the object they are.
+        if type(self.cdi_spec) is bytes:
+            msgspec.structs.force_setattr(self, "cdi_spec", SpecJson(self.cdi_spec))
+
+
+class Document(msgspec.Struct, kw_only=True):
+    """The file: ``claims`` is the claims' canonical encoding, which ``checksum`` (a SHA-256, in hex) is over."""
+
+    version: Annotated[str, msgspec.Meta(min_length=1)]
+    # A newer version may checksum its own way, with a value of its own kind.
+    checksum: Any = None
+    claims: msgspec.Raw
 
 
 # The largest legitimate checkpoint, with room: 10,000 claims of four GPUs each, with the layer's mounts in their
-# specs, take 17.5 MB (test_checkpoint); a one-GPU claim takes 0.9 KB. A larger file is not read: it is moved aside
-# as a corrupt one is, since reading it whole could take the driver past its container's memory limit (192 MiB)
-# before it could do so, and again at every start.
+# specs, stay well within it (test_checkpoint). A larger file is not read: it is moved aside as a corrupt one is,
+# since reading it whole could take the driver past its container's memory limit before it could do so, and again
+# at every start.
 MAX_BYTES = 32 << 20
 
-# A path component the checkpoint names (a CDI spec's file, a layer directory): a plain name, never a way out of
-# its directory.
-_COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+
+def _encode_hook(value: object) -> msgspec.Raw:
+    if isinstance(value, SpecJson):
+        return msgspec.Raw(value)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
 
-def _is_component(value: object) -> bool:
-    return isinstance(value, str) and _COMPONENT.fullmatch(value) is not None and ".." not in value
+def _decode_hook(kind: type, value: object) -> object:
+    if kind is SpecJson:
+        if not isinstance(value, dict):
+            raise ValueError("a CDI spec must be an object")
+        # Canonical whatever the file's order of keys: the spec's file is written from these bytes.
+        return SpecJson(cdi.encode_spec(value).encode())
+    raise NotImplementedError(f"cannot decode {kind.__name__}")
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+# Object keys and fields sorted at every level: the canonical encoding the checksum is over.
+_CLAIMS_ENCODER = msgspec.json.Encoder(enc_hook=_encode_hook, order="sorted")
+# The document's fields in their own order (version, checksum, claims), as every writer has written them.
+_DOCUMENT_ENCODER = msgspec.json.Encoder()
 
 
-def _field_names(kind: type) -> tuple[str, ...]:
-    # Once per type: a save of a thousand claims asks a thousand times, and dataclasses.fields builds it anew.
-    names = _FIELD_NAMES.get(kind)
-    if names is None:
-        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(kind))
-    return names
+def _checksum(encoded: bytes) -> str:
+    return hashlib.sha256(encoded).hexdigest()
 
 
-def _body(record: ClaimRecord) -> dict[str, Any]:
-    """The record as its entry in the file holds it: every field of its type, by name (a field added later is
-    written and checksummed with the others), the CDI spec as the JSON object its bytes are, neither copied nor
-    encoded again."""
-    body = {name: getattr(record, name) for name in _field_names(type(record))}
-    spec = body.get("cdi_spec")
-    body["cdi_spec"] = None if spec is None else msgspec.Raw(spec)
-    return body
-
-
-# Object keys sorted at every level, whatever the order of the fields: the canonical encoding the checksum is over.
-_ENCODER = msgspec.json.Encoder(order="sorted")
-
-
-def _pieces(claims: Mapping[str, ClaimRecord]) -> Iterator[bytes]:
-    """The claims object in its canonical encoding, a record at a time: a thousand claims are never held again as
-    one document."""
-    yield b"{"
-    for number, uid in enumerate(sorted(claims)):
-        yield (b"," if number else b"") + _ENCODER.encode(uid) + b":"
-        yield _ENCODER.encode(_body(claims[uid]))
-    yield b"}"
-
-
-def _checksum(pieces: Iterable[bytes]) -> str:
-    """Over the claims' canonical encoding, as _pieces gives it."""
-    digest = hashlib.sha256()
-    for piece in pieces:
-        digest.update(piece)
-    return digest.hexdigest()
+def encode(claims: Mapping[str, ClaimRecord]) -> bytes:
+    """The checkpoint file's document for ``claims`` (without the newline that ends the file)."""
+    encoded = _CLAIMS_ENCODER.encode(claims if isinstance(claims, dict) else dict(claims))
+    return _DOCUMENT_ENCODER.encode(Document(version=VERSION, checksum=_checksum(encoded),
+                                             claims=msgspec.Raw(encoded)))
 
 
 # The checksum as the first v1 writers computed it, over the standard library's encoding of the claims they read
@@ -134,86 +144,52 @@ class UnusableCheckpoint(Exception):
     """The checkpoint path cannot be used at all; the message says what to do."""
 
 
-def _known(kind: type, raw: dict[str, Any]) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(kind)}
-    return {key: value for key, value in raw.items() if key in names}
-
-
-def _is_strings(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(item, str) for item in value)
-
-
-# Each field's check: a checksum proves the file is whole, not that what wrote it was right.
-_DEVICE_FIELDS: dict[str, Any] = {
-    "request_names": _is_strings, "pool": lambda v: isinstance(v, str), "device": lambda v: isinstance(v, str),
-    "cdi_device_ids": _is_strings, "share_id": lambda v: v is None or isinstance(v, str),
-}
-_CLAIM_FIELDS: dict[str, Any] = {
-    "uid": _is_component, "namespace": lambda v: isinstance(v, str),
-    "name": lambda v: isinstance(v, str), "state": lambda v: v in (STARTED, COMPLETED),
-    "devices": lambda v: isinstance(v, list), "cdi_spec": lambda v: v is None or isinstance(v, dict),
-    "cdi_file": lambda v: v is None or _is_component(v),
-    "layer_allocations": lambda v: isinstance(v, dict) and all(_is_component(key) for key in v) and all(
-        isinstance(memories, list) and all(isinstance(m, int) and not isinstance(m, bool) for m in memories)
-        for memories in v.values()),
-}
-
-
-def _checked(where: str, raw: object, checks: dict[str, Any], kind: type, lenient: bool) -> dict[str, Any]:
-    """raw's fields for kind, each of the right type; raises CorruptCheckpoint naming what is wrong."""
-    if not isinstance(raw, dict):
-        raise CorruptCheckpoint(f"{where}: not an object")
-    fields = _known(kind, raw) if lenient else dict(raw)
-    required = {f.name for f in dataclasses.fields(kind)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    unknown = sorted(set(fields) - set(checks))
-    missing = sorted(required - set(fields))
-    if unknown or missing:
-        raise CorruptCheckpoint(f"{where}: unknown fields {unknown}, missing fields {missing}")
-    for name, value in fields.items():
-        if not checks[name](value):
-            raise CorruptCheckpoint(f"{where}: {name} is {type(value).__name__} {str(value)[:60]!r}")
-    return fields
-
-
-def _records(claims: dict[str, Any], lenient: bool) -> dict[str, ClaimRecord]:
-    records: dict[str, ClaimRecord] = {}
-    for uid, raw in claims.items():
-        fields = _checked(f"claim {str(uid)[:80]!r}", raw, _CLAIM_FIELDS, ClaimRecord, lenient)
-        if fields["uid"] != uid:
-            raise CorruptCheckpoint(f"claim {uid[:80]!r}: its record names uid {fields['uid'][:80]!r}")
-        devices = [PreparedDevice(**_checked(f"claim {uid}: device {index}", device, _DEVICE_FIELDS,
-                                             PreparedDevice, lenient))
-                   for index, device in enumerate(fields.pop("devices", []))]
-        spec = fields.pop("cdi_spec", None)
-        records[uid] = ClaimRecord(devices=devices,
-                                   cdi_spec=None if spec is None else cdi.encode_spec(spec).encode(), **fields)
+def _records(claims: msgspec.Raw | object) -> dict[str, ClaimRecord]:
+    """The claims as records, each checked by its type. Raises msgspec.ValidationError, CorruptCheckpoint."""
+    # ClaimRecord is looked up at each call, not bound into a decoder once: a test stands a later version's record in.
+    if isinstance(claims, msgspec.Raw):
+        records = msgspec.json.decode(claims, type=dict[str, ClaimRecord], dec_hook=_decode_hook)
+    else:
+        records = msgspec.convert(claims, dict[str, ClaimRecord], dec_hook=_decode_hook)
+    for uid, record in records.items():
+        if record.uid != uid:
+            raise CorruptCheckpoint(f"claim {uid[:80]!r}: its record names uid {record.uid[:80]!r}")
     return records
+
+
+def _known_fields(claims: object) -> object:
+    """A newer version's claims, less the fields this version's records do not have."""
+    if not isinstance(claims, dict):
+        return claims
+    fields, device_fields = set(ClaimRecord.__struct_fields__), set(PreparedDevice.__struct_fields__)
+
+    def known(raw: object, names: set[str]) -> object:
+        return {key: value for key, value in raw.items() if key in names} if isinstance(raw, dict) else raw
+
+    known_claims: dict[object, object] = {}
+    for uid, raw in claims.items():
+        record = known(raw, fields)
+        if isinstance(record, dict) and isinstance(record.get("devices"), list):
+            record["devices"] = [known(device, device_fields) for device in record["devices"]]
+        known_claims[uid] = record
+    return known_claims
 
 
 def decode(raw: bytes) -> tuple[dict[str, ClaimRecord], str]:
     """The records in ``raw`` and the version that wrote them. Raises CorruptCheckpoint."""
     try:
-        document = msgspec.json.decode(raw)
+        document = msgspec.json.decode(raw, type=Document)
+        if document.version != VERSION:
+            # A newer version may add fields (and checksum them its own way): take what this version knows.
+            return _records(_known_fields(msgspec.json.decode(document.claims))), document.version
+        records = _records(document.claims)
     except msgspec.DecodeError as exc:
-        raise CorruptCheckpoint(f"not JSON: {exc}") from exc
-    if not isinstance(document, dict):
-        raise CorruptCheckpoint("not a JSON object")
-    version = document.get("version")
-    claims = document.get("claims")
-    if not isinstance(version, str) or not version:
-        raise CorruptCheckpoint("no version")
-    if not isinstance(claims, dict):
-        raise CorruptCheckpoint("no claims object")
-    if version == VERSION:
-        records = _records(claims, lenient=False)
-        # Over the data read, not the file's bytes: the order of its fields is no part of it.
-        checksum = document.get("checksum")
-        if checksum != _checksum(_pieces(records)) and checksum != _legacy_checksum(claims):
-            raise CorruptCheckpoint("checksum mismatch")
-        return records, version
-    # A newer version may add fields (and checksum them its own way): take what this version knows.
-    return _records(claims, lenient=True), version
+        raise CorruptCheckpoint(str(exc)) from exc
+    # Over the data read, not the file's bytes: the order of its fields is no part of it.
+    if document.checksum != _checksum(_CLAIMS_ENCODER.encode(records)) and \
+            document.checksum != _legacy_checksum(msgspec.json.decode(document.claims)):
+        raise CorruptCheckpoint("checksum mismatch")
+    return records, document.version
 
 
 def _read(path: Path) -> bytes:
@@ -286,10 +262,5 @@ class Checkpoint:
     def save(self, claims: Mapping[str, ClaimRecord]) -> None:
         """Write ``claims`` durably, then take them as the current state. Blocks (fsync): call it in a thread.
         Raises OSError, and keeps the previous state, when the write fails."""
-        # Encoded once, a record at a time, and the pieces held only until they are written (the checksum, over
-        # them, comes first in the file): encoding them twice instead cost a thousand-claim Prepare, which saves
-        # twice, about 10 ms of its 120 (make bench).
-        pieces = list(_pieces(claims))
-        header = f'{{"version":"{VERSION}","checksum":"{_checksum(pieces)}","claims":'.encode()
-        atomic_write(self.path, itertools.chain([header], pieces, [b"}\n"]), mode=0o600)
+        atomic_write(self.path, (encode(claims), b"\n"), mode=0o600)
         self._claims = MappingProxyType(dict(claims))

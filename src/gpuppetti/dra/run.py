@@ -1,9 +1,9 @@
 """The ``gpuppetti dra`` process: its duties, started by the runtime and stopped on one path.
 
-Duties: the HTTP endpoint (first), the kubelet services (the DRA service, then the registration socket; stopped
-the other way round), the claims' ledgers, the CDI directory's keeper, the slice publisher, the health monitor, and
-reloads. Nothing waits for the API server: the driver registers with the kubelet and serves Unprepare whatever the
-API does, and the publisher converges once the API is back.
+Duties: the HTTP endpoint (first), the kit's kubelet plugin (kit.kubeletplugin: the DRA service, the registration
+socket and the slice publisher), the claims' ledgers, the CDI directory's keeper, the health monitor, and reloads.
+Nothing waits for the API server: the driver registers with the kubelet and serves Unprepare whatever the API does,
+and the publisher converges once the API is back.
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.core.model import Serves
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
 from gpuppetti.dra.driver import GpuDriver
-from gpuppetti.dra.slices import pool_content
+from gpuppetti.dra.slices import device_health, pool_content
 from gpuppetti.dra.store import ClaimStore
-from gpuppetti.kit.draplugin import PLUGIN_TYPE, SUPPORTED_VERSIONS, DraService, add_services
-from gpuppetti.kit.endpoint import UnixEndpoint
-from gpuppetti.kit.publisher import SlicePublisher
-from gpuppetti.kit.registration import PluginRegistration, serve_and_register
+from gpuppetti.kit import kubeletplugin
 from gpuppetti.layer.vulkan import install_layer
 from gpuppetti.node.daemon import Serving, Sources, reload, start_inventory
 from gpuppetti.node.httpserver import READY_NOTE, HttpServer
@@ -99,27 +96,15 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     gpu_driver = GpuDriver(inventory, options.node_name, store, kube)
     metrics.watch_claims(store)
     metrics.watch_slices(gpu_driver)
-    service = DraService(gpu_driver, metrics)
 
-    dra_socket = plugin_dir / "dra.sock"
-    dra_endpoint = UnixEndpoint(dra_socket, lambda server: add_services(server, service, inventory,
-                                                                        options.node_name), STOP_GRACE_S)
-    registration = PluginRegistration(PLUGIN_TYPE, driver, dra_socket, SUPPORTED_VERSIONS, "DRA driver")
-    registration_endpoint = UnixEndpoint(options.registry_dir / f"{driver}-reg.sock", registration.add_to,
-                                         STOP_GRACE_S)
-    publisher = SlicePublisher(kube, inventory, functools.partial(pool_content, layer=enforcement.enforced),
-                               options.node_name, metrics, registration.confirmed)
+    plugin = kubeletplugin.start(runtime, gpu_driver, kubeletplugin.PluginSpec(
+        driver_name=driver, node=options.node_name, plugin_dir=plugin_dir, registry_dir=options.registry_dir,
+        source=inventory, content_of=functools.partial(pool_content, layer=enforcement.enforced),
+        health_of=device_health, writer=kube, metrics=metrics, stop_grace_s=STOP_GRACE_S))
 
     def waiting_for() -> str | None:
-        for endpoint, what in ((dra_endpoint, "service"), (registration_endpoint, "registration")):
-            # Our own socket that cannot be served: not the kubelet's doing.
-            if endpoint.problem is not None:
-                return f"cannot serve the driver's {what} socket: {endpoint.problem}"
-        if not registration.registered:
-            return f"the kubelet has not confirmed the registration ({registration.last_error or 'no answer yet'})"
-        if not publisher.published.is_set():
-            why = f": {publisher.last_error}" if publisher.last_error else ""
-            return f"the ResourceSlices are not published yet{why}"
+        if (waiting := plugin.waiting_for()) is not None:
+            return waiting
         note = enforcement.note()
         return None if note is None else f"{READY_NOTE}{note}"
 
@@ -127,11 +112,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     http.records = lambda: gpu_records(inventory.snapshot, enforcement.enforced)
     http.slices = lambda: slice_records(gpu_driver)
 
-    runtime.spawn("kubelet-services", serve_and_register(dra_endpoint, registration_endpoint, f"DRA driver {driver}"))
     runtime.spawn("cdi-specs", store.keep_specs())
-    runtime.spawn("slices-inventory", publisher.follow_inventory())
-    runtime.spawn("slices-reconcile", publisher.reconcile_loop())
-    runtime.spawn("slices-watch", publisher.watch())
     for name, duty in monitor.duties():
         runtime.spawn(name, duty)
     runtime.spawn("config-reload", runtime.reloads(lambda: reload(sources, inventory, monitor)))

@@ -1,4 +1,5 @@
-"""ResourceSlices (resource.k8s.io/v1) for one node's pool, serialised from the snapshot's pool and GPUs.
+"""ResourceSlices (resource.k8s.io/v1) for one node's pool, serialised from the snapshot's pool and GPUs, and the
+health of the same devices as the kubelet's health stream tells it.
 
 What a device advertises (its capacity, its counters) is the sharing layer's size of it; this module only says
 it in the API's words, with the attributes the GPU has and a taint where it is unhealthy. What many devices share
@@ -25,6 +26,7 @@ from gpuppetti.core.kubeobjects import (
     Taint,
 )
 from gpuppetti.core.model import Gpu, Health
+from gpuppetti.kit.draplugin import DeviceHealth
 from gpuppetti.kit.publisher import PoolContent
 from gpuppetti.node.inventory import Snapshot
 from gpuppetti.node.report import layer_would_hold
@@ -172,3 +174,9 @@ def pool_content(snapshot: Snapshot, node: str, layer: bool | None = None) -> Po
         # An empty pool is still published, so that consumers see the node has none.
         specs = [{"devices": []}]
     return PoolContent.of({**spec, "driver": driver, "nodeName": node} for spec in specs)
+
+
+def device_health(snapshot: Snapshot) -> list[DeviceHealth]:
+    """Each device of the pool, healthy while its GPU is."""
+    return [DeviceHealth(device.name, gpu.health is Health.HEALTHY, f"GPU {gpu.id} is {gpu.health}")
+            for device in snapshot.pool.devices.values() for gpu in (snapshot.gpus[device.gpu_id],)]

@@ -11,12 +11,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
+import msgspec
 
 from gpuppetti._proto.dra.v1 import api_pb2 as v1
 from gpuppetti._proto.dra.v1 import api_pb2_grpc as v1_grpc
@@ -26,9 +27,7 @@ from gpuppetti._proto.drahealth.v1alpha1 import api_pb2 as health
 from gpuppetti._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpuppetti.base.memory import give_back_free_memory
 from gpuppetti.base.syntax import DNS_LABEL, UID, is_dns_subdomain
-from gpuppetti.core.model import Health
-from gpuppetti.node.inventory import Inventory, Snapshot
-from gpuppetti.node.metrics import Metrics
+from gpuppetti.kit.seams import Changing, PluginMetrics, Versioned
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +57,10 @@ def named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
     return f"{len(claims)} claim(s): {names}{more}"
 
 
-# Slots: a driver holds these for every prepared claim, and a node may hold a thousand.
-@dataclass(frozen=True, slots=True)
-class PreparedDevice:
+# A Struct: compact (a driver holds these for every prepared claim, and a node may hold a thousand), and encoded
+# and decoded whole where a driver records them (the DRA driver's checkpoint, which takes a field it does not know
+# for damage).
+class PreparedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One device of a prepared claim, as the kubelet is told it."""
 
     request_names: list[str]
@@ -124,7 +124,7 @@ def _checked(claims: Sequence[ClaimRef]) -> tuple[list[ClaimRef], dict[str, str]
 class DraService:
     """The version-independent part: one answer per claim, errors per claim, the driver's callbacks around."""
 
-    def __init__(self, driver: DraDriver, metrics: Metrics) -> None:
+    def __init__(self, driver: DraDriver, metrics: PluginMetrics) -> None:
         self.driver = driver
         self._metrics = metrics
 
@@ -219,40 +219,54 @@ class DraPluginV1beta1(_DraPlugin, v1beta1_grpc.DRAPluginServicer):
         super().__init__(service, v1beta1, share_ids=False)
 
 
-def health_list(snapshot: Snapshot, node: str) -> health.NodeWatchResourcesResponse:
+@dataclass(frozen=True, slots=True)
+class DeviceHealth:
+    """One device of the pool, as the health stream tells the kubelet of it: the message says why it is not healthy."""
+
+    device: str
+    healthy: bool
+    message: str = ""
+
+
+S = TypeVar("S", bound=Versioned)
+
+
+def health_list(devices: Iterable[DeviceHealth], node: str) -> health.NodeWatchResourcesResponse:
     response = health.NodeWatchResourcesResponse()
     now = int(time.time())
-    for device in snapshot.pool.devices.values():
-        gpu = snapshot.gpus[device.gpu_id]
-        status = health.HEALTHY if gpu.health is Health.HEALTHY else health.UNHEALTHY
+    for device in devices:
         response.devices.add(
-            device=health.DeviceIdentifier(pool_name=node, device_name=device.name),
-            health=status, last_updated_time=now,
-            message="" if status == health.HEALTHY else f"GPU {gpu.id} is {gpu.health}",
+            device=health.DeviceIdentifier(pool_name=node, device_name=device.device),
+            health=health.HEALTHY if device.healthy else health.UNHEALTHY, last_updated_time=now,
+            message="" if device.healthy else device.message,
         )
     return response
 
 
-class ResourceHealth(health_grpc.DRAResourceHealthServicer):
-    def __init__(self, inventory: Inventory, node: str) -> None:
-        self._inventory = inventory
+class ResourceHealth(health_grpc.DRAResourceHealthServicer, Generic[S]):
+    """The health stream of the pool on ``node``: ``health_of`` reads its devices' health from one of ``source``'s
+    snapshots."""
+
+    def __init__(self, source: Changing[S], health_of: Callable[[S], Iterable[DeviceHealth]], node: str) -> None:
+        self._source = source
+        self._health_of = health_of
         self._node = node
 
     async def NodeWatchResources(
         self, request: health.NodeWatchResourcesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
-        inventory = self._inventory
+        source = self._source
         while True:
-            snapshot = inventory.snapshot
+            snapshot = source.snapshot
             seen = snapshot.version
-            yield health_list(snapshot, self._node)
+            yield health_list(self._health_of(snapshot), self._node)
             # Each message is the complete list; re-send it before the kubelet's staleness timeout too.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(HEALTH_REFRESH_S):
-                    await inventory.wait_for_change(seen)
+                    await source.wait_for_change(seen)
 
 
-def add_services(server: grpc.aio.Server, service: DraService, inventory: Inventory, node: str) -> None:
+def add_services(server: grpc.aio.Server, service: DraService, resource_health: ResourceHealth[Any]) -> None:
     v1_grpc.add_DRAPluginServicer_to_server(DraPluginV1(service), server)
     v1beta1_grpc.add_DRAPluginServicer_to_server(DraPluginV1beta1(service), server)
-    health_grpc.add_DRAResourceHealthServicer_to_server(ResourceHealth(inventory, node), server)
+    health_grpc.add_DRAResourceHealthServicer_to_server(resource_health, server)

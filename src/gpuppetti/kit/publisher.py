@@ -16,16 +16,14 @@ import logging
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from gpuppetti.base.backoff import Backoff
 from gpuppetti.base.memory import give_back_free_memory
-from gpuppetti.core.kubeobjects import RESOURCE_API, OwnerReference, ResourceSliceBody, SliceMeta
-from gpuppetti.node.inventory import Inventory, Snapshot
-from gpuppetti.node.kube import ApiError, Kube
-from gpuppetti.node.metrics import Metrics
+from gpuppetti.core.kubeobjects import RESOURCE_API, ApiError, OwnerReference, ResourceSliceBody, SliceMeta
+from gpuppetti.kit.seams import Changing, PluginMetrics, SliceWriter, Versioned
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +78,22 @@ def resource_slices(
     return [resource_slice(content, number, node, driver, generation, owner) for number in range(len(content.specs))]
 
 
-# What a pool holds on a node, from the inventory's snapshot: the driver's own.
-ContentOf = Callable[[Snapshot, str], PoolContent]
+S = TypeVar("S", bound=Versioned)
 
 
-class SlicePublisher:
+class SlicePublisher(Generic[S]):
+    """``content_of`` says what the pool of ``driver`` holds on ``node`` in one of ``source``'s snapshots."""
+
     def __init__(
-        self, kube: Kube, inventory: Inventory, content_of: ContentOf, node: str, metrics: Metrics,
-        registered: asyncio.Event | None = None,
+        self, writer: SliceWriter, source: Changing[S], content_of: Callable[[S, str], PoolContent], node: str,
+        driver: str, metrics: PluginMetrics, registered: asyncio.Event | None = None,
     ) -> None:
-        self._kube = kube
+        self._kube = writer
         self._content_of = content_of
         self._metrics = metrics
-        self._inventory = inventory
+        self._source = source
         self.node = node
+        self.driver = driver
         self._registered = registered
         self._said_waiting = False
         self._dirty = asyncio.Event()
@@ -109,10 +109,6 @@ class SlicePublisher:
         self.published = asyncio.Event()
         self.last_error: str | None = None
 
-    @property
-    def driver(self) -> str:
-        return self._inventory.config.dra.driver_name
-
     async def wait_registered(self) -> None:
         if self._registered is not None and not self._registered.is_set():
             # Two duties wait here (the reconcile loop and the watch): the log says it once.
@@ -121,13 +117,13 @@ class SlicePublisher:
                 log.info("waiting for the kubelet to register the driver before publishing ResourceSlices")
             await self._registered.wait()
 
-    async def follow_inventory(self) -> None:
-        """Duty: every change of the inventory makes the pool's content anew and asks for a reconcile."""
+    async def follow_source(self) -> None:
+        """Duty: every change of the source makes the pool's content anew and asks for a reconcile."""
         while True:
-            snapshot = self._inventory.snapshot
+            snapshot = self._source.snapshot
             self._wanted = self._content_of(snapshot, self.node)
             self._dirty.set()
-            await self._inventory.wait_for_change(snapshot.version)
+            await self._source.wait_for_change(snapshot.version)
 
     async def reconcile_loop(self) -> None:
         """Duty: reconcile whenever asked, retrying with backoff until the pool is published."""
@@ -165,7 +161,7 @@ class SlicePublisher:
     async def reconcile(self) -> None:
         owner = await self._owner_reference()
         existing = {item.metadata.name: item for item in await self._kube.list_slices(self.node, self.driver)}
-        content = self._wanted or self._content_of(self._inventory.snapshot, self.node)
+        content = self._wanted or self._content_of(self._source.snapshot, self.node)
         if content != self._content:
             known = [item.spec.pool.generation for item in existing.values()]
             # Higher than anything published before, by this process or an earlier one.

@@ -25,6 +25,8 @@ from lightkube.core import resource as lightkube_resource
 from lightkube.operators import BinaryOperator, SequenceOperator
 from lightkube.types import PatchType
 
+# ApiError is the kit's word for a failed call too (its slice writer raises it): it lives with the objects.
+from gpuppetti.core.kubeobjects import ApiError as ApiError
 from gpuppetti.core.kubeobjects import Node, ObjectMeta, ResourceClaim, ResourceSlice, ResourceSliceBody
 
 log = logging.getLogger(__name__)
@@ -84,15 +86,6 @@ class _WrittenSlice(msgspec.Struct, lightkube_resource.GlobalResource, kw_only=T
     kind: str
     metadata: _Meta
     spec: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
-
-
-class ApiError(Exception):
-    """The API server refused a request, could not be reached, or answered something that is not what was asked
-    for. ``status`` is None when there was no answer."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class NotFound(ApiError):
