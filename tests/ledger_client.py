@@ -156,6 +156,9 @@ class LedgerThread:
     def __init__(self, root: Path) -> None:
         self.ledgers = Ledgers(root)
         self.loop = asyncio.new_event_loop()
+        # What the loop would only have logged (an exception in a callback): stop() fails on it.
+        self.errors: list[dict[str, Any]] = []
+        self.loop.set_exception_handler(lambda _, context: self.errors.append(context))
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
@@ -183,6 +186,7 @@ class LedgerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+        assert not self.errors, self.errors
 
 
 class LedgerProcess:

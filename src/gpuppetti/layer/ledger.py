@@ -152,7 +152,10 @@ class Ledger:
         return uses
 
     def close(self) -> None:
-        for connection in list(self.connections):
+        # Its connections learn of it after this returns (the loop calls their connection_lost): nothing is left
+        # for them to give back.
+        connections, self.connections = self.connections, set()
+        for connection in connections:
             connection.abort()
         self.page.close()
         os.close(self.page_fd)
