@@ -47,8 +47,18 @@ def assert_carries_layer(wheel: Path) -> None:
     assert tag.startswith("py3-none-linux_"), tag
 
 
+# Data the package reads beside its code: the demo's built-in configs.
+DATA = ("gpuppetti/commands/demo/configs/demo.yaml", "gpuppetti/commands/demo/configs/sandbox.yaml")
+
+
+def assert_carries_data(wheel: Path) -> None:
+    listed = members(wheel)
+    assert not [name for name in DATA if name not in listed], f"{wheel.name} lacks some of {DATA}"
+
+
 def test_pip_wheel_from_a_clean_clone_carries_the_layer(clean_wheel: Path) -> None:
     assert_carries_layer(clean_wheel)
+    assert_carries_data(clean_wheel)
 
 
 def test_the_layer_links_no_libpython(clean_wheel: Path, tmp_path: Path) -> None:
@@ -71,6 +81,7 @@ def test_the_sdist_carries_the_source_and_its_wheel_the_layer(clone: Path, tmp_p
     # Never a built copy: the wheel's layer is compiled from the sdist's source.
     assert not [name for name in names if name.endswith(".so") or "/_native/" in name]
     assert_carries_layer(only(tmp_path, "gpuppetti-*.whl"))
+    assert_carries_data(only(tmp_path, "gpuppetti-*.whl"))
 
 
 def test_a_required_layer_that_cannot_be_built_fails_the_build(clone: Path, tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from gpuppetti.commands.demo import DemoError, driver_manifests, library_of, node_image, run_demo
+from gpuppetti.commands.demo import DemoError, run_demo
+from gpuppetti.commands.demo.image import driver_manifests, library_of, node_image
 from gpuppetti.core.model import DeviceNode, Gpu, Vendor
 from gpuppetti.kubelet.sandbox import BUSYBOX, PODMAN_FLAGS, RUN_FLAGS, VULKAN_LOADER
 from tests.fixtures import two_vendor_machine, virtio_vm

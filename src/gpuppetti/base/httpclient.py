@@ -41,7 +41,7 @@ async def get(url: str, headers: Mapping[str, str] | None = None, timeout: float
               limit: int = MAX_BYTES) -> Reply:
     """GET ``url``; the whole body, at most ``limit`` bytes of it. Raises FetchError (Unreachable when nothing
     listens)."""
-    # Only where something is asked: importing aiohttp costs a tenth of a second and megabytes.
+    # Only where something is asked: importing aiohttp costs a daemon start-up time and memory it need not spend.
     import aiohttp
 
     try:

@@ -12,8 +12,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gpuppetti.base import earlysignals
     earlysignals.install()
     # The cyclic collector waits out the imports: they make nothing to collect, and its passes over their
-    # hundreds of thousands of objects as they are made cost 30 ms of CPU. The command line resumes it before the
-    # command runs.
+    # hundreds of thousands of objects as they are made are CPU spent for nothing. The command line resumes it
+    # before the command runs.
     gc.disable()
     from gpuppetti.cli.main import run
 

@@ -29,9 +29,8 @@ from gpuppetti.node.httpserver import GPUS_PATH, SLICES_PATH
 
 BAR_WIDTH = 10
 TIMEOUT_S = 10.0
-# /v1/slices for 10,000 slices measures 2.3 MB with typical names (namespace ml-training, pod
-# trainer-7d9f8c6b5-00001, container main) and 5.8 MB with the longest names Kubernetes allows (63, 253 and 63
-# characters): 8 MiB holds either.
+# Room for /v1/slices of 10,000 slices, even with the longest names Kubernetes allows (docs/observability.md has
+# the sizes).
 MAX_ANSWER_BYTES = 8 * 1024 * 1024
 START_HINT = "start a daemon (gpuppetti plugin or gpuppetti dra), or `gpuppetti demo --keep-running`"
 

@@ -214,8 +214,8 @@ class DraSection(Strict):
     partitions: list[PartitionCount] = Field(default_factory=_default_partitions)
     # How partitions are published. capacity: one device per GPU whose memory claims take in the partitions'
     # sizes (its validValues): as cheap for the scheduler as whole GPUs. counters: a device per partition, each
-    # consuming its GPU's shared counters: the API's partitionable devices, which cost the scheduler 40 to 1,900
-    # times more per pod (docs/scale.md) and suit only small clusters.
+    # consuming its GPU's shared counters: the API's partitionable devices, which cost the scheduler far more per
+    # pod (docs/scale.md has how much) and suit only small clusters.
     partition_layout: Literal["capacity", "counters"] = "capacity"
     # consumable: a claim that asks for no capacity gets 1/shares of each.
     shares: int = Field(default=4, ge=1, le=1000)

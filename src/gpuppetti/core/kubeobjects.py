@@ -3,8 +3,8 @@ and the one error a call to the API raises.
 
 Only the fields the driver uses are modelled. Reading ignores the rest (the API server adds fields over time);
 writing leaves out what is unset, so that the objects stay as small as the API allows. What is read is decoded
-with msgspec (lightkube's own JSON library, so loaded anyway): its types cost microseconds to define and little
-memory, where a model per kind cost the driver 5 MiB and a tenth of a second of its start.
+with msgspec (lightkube's own JSON library, so loaded anyway): its types are cheap to define and to hold, where a
+model per kind would weigh on the driver's start and memory.
 """
 
 from __future__ import annotations

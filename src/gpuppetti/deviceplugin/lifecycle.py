@@ -121,6 +121,18 @@ class _Registration:
     connected: bool = False
 
 
+@dataclass
+class _Supervision:
+    """What one resource's supervisor carries from one turn of its loop to the next."""
+
+    endpoint: ResourceEndpoint
+    wake: asyncio.Event
+    backoff: Backoff = field(default_factory=lambda: Backoff(0.1, 5.0))
+    current: _Registration | None = None
+    # Whether waiting for the kubelet was said since the last registration.
+    waiting_logged: bool = False
+
+
 class DevicePluginManager:
     """Runs every resource's endpoint, and keeps each registered with the kubelet."""
 
@@ -292,93 +304,112 @@ class DevicePluginManager:
             supervised.why = why
 
     async def _supervise(self, endpoint: ResourceEndpoint, wake: asyncio.Event) -> None:
-        backoff = Backoff(0.1, 5.0)
-        current: _Registration | None = None
-        waiting_logged = False
+        """Duty: keep one resource's socket served and registered with the kubelet that is there now."""
+        state = _Supervision(endpoint, wake)
         name = endpoint.resource
         try:
             while True:
                 wake.clear()
-                if not endpoint.intact():
-                    if endpoint.serial:
-                        self.metrics.restarts.labels(name).inc()
-                        log.info("%s: socket %s is gone (kubelet restart?); serving it again", name, endpoint.path)
-                    current = None
-                    self._mark(name, False, "serving its socket")
-                    try:
-                        await endpoint.restart()
-                    except SocketError as exc:
-                        delay = backoff.next()
-                        log.error("%s: %s; trying again in %.1fs", name, exc, delay)
-                        await _wait(wake, delay)
-                        continue
+                if not endpoint.intact() and not await self._serve_again(state):
+                    continue
                 kubelet = self._kubelet_identity()
-                if current is not None:
-                    streams = endpoint.service.streams
-                    if streams and current.kubelet == kubelet and current.serial == endpoint.serial:
-                        if not current.connected:
-                            current.connected = True
-                            backoff.reset()
-                            self._mark(name, True)
-                        await _wait(wake)
-                        continue
-                    if current.connected:
-                        log.info("%s: the kubelet's ListAndWatch stream ended (kubelet restart?); registering "
-                                 "again", name)
-                        current = None
-                    elif kubelet == current.kubelet and time.monotonic() - current.at < STREAM_WAIT_S:
-                        # Registered, and the kubelet's stream has not opened yet.
-                        await _wait(wake, STREAM_WAIT_S - (time.monotonic() - current.at))
-                        continue
-                    else:
-                        if kubelet == current.kubelet:
-                            log.warning("%s: the kubelet did not open ListAndWatch within %.0fs of Register; "
-                                        "registering again", name, STREAM_WAIT_S)
-                        current = None
+                if state.current is not None and await self._still_registered(state, kubelet):
+                    continue
                 self._mark(name, False, f"waiting for the kubelet{self._made_here}")
                 if kubelet is None:
-                    delay = backoff.next()
-                    if not waiting_logged or backoff.at_maximum:
-                        # A kubelet restart takes a moment: said quietly first, loudly while it lasts.
-                        log.log(logging.WARNING if waiting_logged else logging.INFO,
-                                "%s: waiting for the kubelet: %s does not exist yet "
-                                "(registering as soon as it appears; re-checking in %.1fs)%s",
-                                name, self.kubelet_socket, delay, self._made_here)
-                        waiting_logged = True
-                    await _wait(wake, delay)
+                    await self._wait_for_kubelet(state)
                     continue
-                supervised = self._resources[name]
-                supervised.cut_short = False
-                try:
-                    async with asyncio.timeout(REGISTER_TIMEOUT_S) as scope:
-                        supervised.registering = scope
-                        try:
-                            await self._register(endpoint)
-                        finally:
-                            supervised.registering = None
-                except grpc.aio.AioRpcError as exc:
-                    delay = backoff.next()
-                    log.warning("%s: Register with %s failed (%s: %s); retrying in %.1fs on a fresh connection",
-                                name, self.kubelet_socket, exc.code().name, exc.details(), delay)
-                    await _wait(wake, delay)
-                    continue
-                except TimeoutError:
-                    if supervised.cut_short:
-                        log.info("%s: Register with %s cut short: the plugin's socket or the kubelet changed "
-                                 "meanwhile; retrying at once", name, self.kubelet_socket)
-                        continue
-                    delay = backoff.next()
-                    log.warning("%s: the kubelet did not answer Register within %.0fs; retrying in %.1fs", name,
-                                REGISTER_TIMEOUT_S, delay)
-                    await _wait(wake, delay)
-                    continue
-                current = _Registration(kubelet, endpoint.serial)
-                waiting_logged = False
-                self.metrics.registrations.labels(name).inc()
-                log.info("%s: registered with the kubelet (endpoint %s)", name, endpoint.socket_name)
+                if await self._register_once(state):
+                    state.current = _Registration(kubelet, endpoint.serial)
+                    state.waiting_logged = False
+                    self.metrics.registrations.labels(name).inc()
+                    log.info("%s: registered with the kubelet (endpoint %s)", name, endpoint.socket_name)
         finally:
             self._mark(name, False, "stopped")
             await endpoint.stop()
+
+    async def _serve_again(self, state: _Supervision) -> bool:
+        """Serve the resource's socket anew (gone, or never served); False when it cannot be yet, after waiting."""
+        endpoint, name = state.endpoint, state.endpoint.resource
+        if endpoint.serial:
+            self.metrics.restarts.labels(name).inc()
+            log.info("%s: socket %s is gone (kubelet restart?); serving it again", name, endpoint.path)
+        state.current = None
+        self._mark(name, False, "serving its socket")
+        try:
+            await endpoint.restart()
+        except SocketError as exc:
+            delay = state.backoff.next()
+            log.error("%s: %s; trying again in %.1fs", name, exc, delay)
+            await _wait(state.wake, delay)
+            return False
+        return True
+
+    async def _still_registered(self, state: _Supervision, kubelet: tuple[int, int, int] | None) -> bool:
+        """Whether the registration holds (or may still: its stream has not opened yet), after waiting for a change;
+        False, the registration dropped, when the resource must register again."""
+        current, endpoint, name = state.current, state.endpoint, state.endpoint.resource
+        assert current is not None
+        if endpoint.service.streams and current.kubelet == kubelet and current.serial == endpoint.serial:
+            if not current.connected:
+                current.connected = True
+                state.backoff.reset()
+                self._mark(name, True)
+            await _wait(state.wake)
+            return True
+        if current.connected:
+            log.info("%s: the kubelet's ListAndWatch stream ended (kubelet restart?); registering again", name)
+        elif kubelet == current.kubelet and time.monotonic() - current.at < STREAM_WAIT_S:
+            # Registered, and the kubelet's stream has not opened yet.
+            await _wait(state.wake, STREAM_WAIT_S - (time.monotonic() - current.at))
+            return True
+        elif kubelet == current.kubelet:
+            log.warning("%s: the kubelet did not open ListAndWatch within %.0fs of Register; registering again",
+                        name, STREAM_WAIT_S)
+        state.current = None
+        return False
+
+    async def _wait_for_kubelet(self, state: _Supervision) -> None:
+        delay = state.backoff.next()
+        if not state.waiting_logged or state.backoff.at_maximum:
+            # A kubelet restart takes a moment: said quietly first, loudly while it lasts.
+            log.log(logging.WARNING if state.waiting_logged else logging.INFO,
+                    "%s: waiting for the kubelet: %s does not exist yet "
+                    "(registering as soon as it appears; re-checking in %.1fs)%s",
+                    state.endpoint.resource, self.kubelet_socket, delay, self._made_here)
+            state.waiting_logged = True
+        await _wait(state.wake, delay)
+
+    async def _register_once(self, state: _Supervision) -> bool:
+        """One Register, cut short by anything that wakes the supervisor; False when it failed (after waiting, unless
+        it was cut short)."""
+        name = state.endpoint.resource
+        supervised = self._resources[name]
+        supervised.cut_short = False
+        try:
+            async with asyncio.timeout(REGISTER_TIMEOUT_S) as scope:
+                supervised.registering = scope
+                try:
+                    await self._register(state.endpoint)
+                finally:
+                    supervised.registering = None
+        except grpc.aio.AioRpcError as exc:
+            delay = state.backoff.next()
+            log.warning("%s: Register with %s failed (%s: %s); retrying in %.1fs on a fresh connection",
+                        name, self.kubelet_socket, exc.code().name, exc.details(), delay)
+            await _wait(state.wake, delay)
+            return False
+        except TimeoutError:
+            if supervised.cut_short:
+                log.info("%s: Register with %s cut short: the plugin's socket or the kubelet changed meanwhile; "
+                         "retrying at once", name, self.kubelet_socket)
+                return False
+            delay = state.backoff.next()
+            log.warning("%s: the kubelet did not answer Register within %.0fs; retrying in %.1fs", name,
+                        REGISTER_TIMEOUT_S, delay)
+            await _wait(state.wake, delay)
+            return False
+        return True
 
     async def _register(self, endpoint: ResourceEndpoint) -> None:
         request = pb.RegisterRequest(version=API_VERSION, endpoint=endpoint.socket_name,

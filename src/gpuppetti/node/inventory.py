@@ -48,8 +48,8 @@ def _same_but_health(new: Mapping[str, Gpu], old: Mapping[str, Gpu]) -> bool:
 
 
 class Inventory:
-    """``serves`` says what is derived: the device plugin has no pool and the DRA driver no units (at 10,000 GPUs
-    either would cost the other tens of milliseconds and megabytes for nothing); the other is then empty."""
+    """``serves`` says what is derived: the device plugin has no pool and the DRA driver no units (on a large node
+    either costs time and memory, for nothing to the front end that does not serve it); the other is then empty."""
 
     def __init__(self, config: Config, gpus: Iterable[Gpu], serves: Serves = Serves.BOTH) -> None:
         self.serves = serves

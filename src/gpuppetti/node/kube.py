@@ -1,8 +1,8 @@
 """The Kubernetes API, as the DRA driver and the node labeller use it: the one boundary every call goes through.
 
-lightkube loads the kubeconfig or the in-cluster service account and makes the requests; it was chosen over the
-official client's asyncio fork because importing that one cost the driver 0.9 s of CPU and 45 MiB (every model of
-every API group loads), for the seven calls below (make bench measures the driver's start).
+lightkube loads the kubeconfig or the in-cluster service account and makes the requests: the official client's
+asyncio fork loads every model of every API group when it is imported, which a driver's start and memory would pay
+for the seven calls below (bench/README.md has what that weighed).
 
 At this boundary every request is bounded in time, every answer is validated into a typed object of ``kubeobjects``
 (a malformed one is a failure like any other), and every failure is an ApiError, which callers retry with backoff.
@@ -37,9 +37,9 @@ REQUEST_TIMEOUT_S = 10.0
 WATCH_TIMEOUT_S = 300
 FIELD_MANAGER = "gpuppetti"
 # Claims read per request when a namespace is listed. A page is decoded whole before its claims are handed on:
-# at 250, a kubelet call of a thousand claims takes four requests; at 100 the ten requests cost its Prepare a third
-# more time (make bench: 352 ms against 224); kubectl's 500 is no faster, and the driver keeps 0.3 MiB more after
-# it. A call lists only where it names at least LIST_FROM claims of one namespace.
+# smaller pages make a large Prepare wait on more requests, larger ones leave the driver holding more memory after
+# it for no gain in time (bench/README.md has the figures). A call lists only where it names at least LIST_FROM
+# claims of one namespace.
 LIST_PAGE = 250
 
 T = TypeVar("T")
@@ -52,10 +52,9 @@ def _api(group: str, kind: str, plural: str, verbs: list[str]) -> lightkube_reso
 
 # What is read is decoded by lightkube straight into kubeobjects' types (it decodes into any msgspec Struct that
 # names its API): only the fields the driver uses are built, and a slice's 128 devices, which the API echoes back
-# after every write and in every watch event, are skipped unread, as are a claim's managedFields. A dict of the
-# whole object, then a model of it, cost the driver 0.2-0.4 s of CPU to publish 10,000 devices (make bench: now
-# about a minimal driver's 0.2 s). An answer that is not what it says fails to decode: a msgspec.ValidationError,
-# so an ApiError here.
+# after every write and in every watch event, are skipped unread, as are a claim's managedFields: building a dict
+# of the whole object, then a model of it, would be most of what publishing a large pool costs the driver's CPU. An
+# answer that is not what it says fails to decode: a msgspec.ValidationError, so an ApiError here.
 class _Meta(ObjectMeta, frozen=True):
     # lightkube's watch asks each object for its version by the API's name.
     @property

@@ -10,15 +10,15 @@ from gpuppetti.core.model import Gpu, Serves
 from gpuppetti.sharing.pool import Pool, build_pool
 from gpuppetti.sharing.replicas import Remark, plan_remarks
 
-# Measured with a real scheduler over simulated nodes (make bench-scale, docs/scale.md): 120 devices per node cost
-# it about 3 times what 8 do per pod, and any device that consumes shared counters 40 to 1,900 times.
+# Past this many devices per node, the scheduler's cost per pod grows well beyond what a few devices cost it, as
+# make bench-scale measured with a real scheduler (docs/scale.md has the figures).
 MAX_DEVICES_PER_NODE = 64
 
 
 def config_remarks(gpus: Sequence[Gpu], config: Config, serves: Serves = Serves.BOTH,
                    pool: Pool | None = None) -> list[Remark]:
     """The remarks on the sections that what is served reads (a DRA driver has no time-slicing to remark on).
-    ``pool`` is these GPUs' pool where the caller has built it already (at 10,000 GPUs, tens of milliseconds)."""
+    ``pool`` is these GPUs' pool where the caller has built it already (on a large node, not a cost to pay twice)."""
     remarks = plan_remarks(gpus, config.sharing.time_slicing) if Serves.UNITS in serves else []
     if Serves.POOL in serves:
         remarks += pool_remarks(pool if pool is not None else build_pool(gpus, config.dra), config.dra)
