@@ -45,7 +45,8 @@ from gpuppetti.deviceplugin.enforcement import Enforcer
 from gpuppetti.discovery.simulated import SimulatedBackend
 from gpuppetti.kubelet.emulator import KubeletEmulator, PluginEndpoint
 from gpuppetti.kubelet.sandbox import vulkan_icd
-from gpuppetti.layer.ledger import SOCKET_NAME, Ledgers, Terms
+from gpuppetti.layer.ledger import SOCKET_NAME, Terms
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import BUILT, LAYER_NAME, LIBRARY, PROBE, LayerDir, manifest
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics

@@ -38,10 +38,10 @@ from gpuppetti.layer.ledger import (
     UNHOLD,
     VERSION,
     WAITED_OFFSET,
-    Ledgers,
     SliceUse,
     Terms,
 )
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import LayerDir, terms
 from gpuppetti.sharing.budgets import Budget
 

@@ -21,7 +21,7 @@ from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator, Pod
 from gpuppetti.kubelet.sandbox import PodmanSandbox
-from gpuppetti.layer.ledger import Ledgers
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import BUILT, LIBRARY, LayerDir
 from gpuppetti.sharing.budgets import Budget
 from tests.dra_support import DRIVER, Cluster

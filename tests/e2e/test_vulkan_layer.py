@@ -22,7 +22,8 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits, Gpu, Mount, Vendor
 from gpuppetti.kubelet.sandbox import VULKAN_IMAGE, PodmanSandbox, podman_flags, vulkan_icd
-from gpuppetti.layer.ledger import SLICE_OFFSET, Ledger, Ledgers
+from gpuppetti.layer.ledger import SLICE_OFFSET, Ledger
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import BUILT, LIBRARY, PROBE, LayerDir, manifest, terms
 from gpuppetti.sharing.budgets import Budget
 

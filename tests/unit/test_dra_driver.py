@@ -19,7 +19,7 @@ from gpuppetti.dra.driver import LIST_FROM, GpuDriver, _collector_paused
 from gpuppetti.dra.plan import layer_allocation
 from gpuppetti.dra.store import ClaimStore, _run_to_the_end
 from gpuppetti.kit.draplugin import ClaimRef
-from gpuppetti.layer.ledger import Ledgers
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.kube import ApiError

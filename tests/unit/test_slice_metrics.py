@@ -12,7 +12,8 @@ from gpuppetti._proto.deviceplugin.v1beta1.api_pb2 import ContainerAllocateRespo
 from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator
-from gpuppetti.layer.ledger import Ledgers, SliceUse
+from gpuppetti.layer.ledger import SliceUse
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.metrics import Metrics, SliceRow
 from gpuppetti.node.report import slice_records

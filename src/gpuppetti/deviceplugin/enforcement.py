@@ -24,7 +24,7 @@ import grpc
 from gpuppetti._proto.podresources.v1 import api_pb2 as pb
 from gpuppetti._proto.podresources.v1 import api_pb2_grpc as pb_grpc
 from gpuppetti.core.model import ContainerEdits
-from gpuppetti.layer.ledger import Ledgers
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import LayerDir, Record, terms
 from gpuppetti.node.metrics import SliceRow
 from gpuppetti.sharing.budgets import Budget

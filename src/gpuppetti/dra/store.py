@@ -25,7 +25,8 @@ from gpuppetti.core import cdi
 from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
 from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice, named
-from gpuppetti.layer.ledger import Ledgers, Terms
+from gpuppetti.layer.ledger import Terms
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import LayerDir
 
 log = logging.getLogger(__name__)

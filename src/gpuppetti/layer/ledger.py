@@ -3,7 +3,7 @@
 The Vulkan layer, in a container's processes, reaches its allocation's ledger through one Unix socket
 (``ledger.sock`` in a directory of the daemon's that the container mounts read-only): it reserves before
 ``vkAllocateMemory`` hands out memory and releases at ``vkFreeMemory``. The wire protocol is
-native/vulkan-layer/ledger_protocol.h; this module speaks exactly that.
+native/vulkan-layer/ledger_protocol.h; this module speaks exactly that, and layer/ledgers.py serves one per allocation.
 
 Why a socket and not a file the container writes: a tenant then has nothing writable on the node, and the kernel
 says when a process is gone (its connection closes, however it dies), so what it held comes back at once; exported
@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import fcntl
 import logging
 import mmap
 import os
 import signal
 import socket
-import stat
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,7 +107,7 @@ class _Object:
         self.slice = slice_index
         self.heap = heap
         self.size = size
-        self.holders: set[_Connection] = set()
+        self.holders: set[Connection] = set()
 
 
 class Ledger:
@@ -123,7 +121,7 @@ class Ledger:
         self.terms = list(terms)
         self.totals = [0] * len(terms)
         self.heaps = [[0] * HEAPS for _ in terms]
-        self.connections: set[_Connection] = set()
+        self.connections: set[Connection] = set()
         self.objects: dict[tuple[int, int], _Object] = {}
         # Until when reservations wait for the processes of before a restart to declare what they hold.
         self.grace_until = time.monotonic() + RESTORE_GRACE_S if restored else 0.0
@@ -169,7 +167,7 @@ class Ledger:
         struct.pack_into("<q", self.page, base + TOTAL_OFFSET, total)
         struct.pack_into("<q", self.page, base + HEAP_USAGE_OFFSET + 8 * heap, usage)
 
-    def reserve(self, connection: _Connection, slice_index: int, heap: int, size: int) -> bool:
+    def reserve(self, connection: Connection, slice_index: int, heap: int, size: int) -> bool:
         budget = self.terms[slice_index].budget
         if budget > 0 and size > budget - self.totals[slice_index]:
             return False
@@ -177,14 +175,14 @@ class Ledger:
         connection.add(slice_index, heap, size)
         return True
 
-    def declare(self, connection: _Connection, slice_index: int, heap: int, size: int) -> None:
+    def declare(self, connection: Connection, slice_index: int, heap: int, size: int) -> None:
         self._change(slice_index, heap, size)
         connection.add(slice_index, heap, size)
 
-    def release(self, connection: _Connection, slice_index: int, heap: int, size: int) -> None:
+    def release(self, connection: Connection, slice_index: int, heap: int, size: int) -> None:
         self._change(slice_index, heap, -connection.take(slice_index, heap, size))
 
-    def export(self, connection: _Connection, slice_index: int, heap: int, size: int, key: tuple[int, int]) -> None:
+    def export(self, connection: Connection, slice_index: int, heap: int, size: int, key: tuple[int, int]) -> None:
         """Move what the connection holds into the object (charged once, whoever holds it)."""
         if key in self.objects or len(self.objects) >= MAX_OBJECTS:
             return  # known already (exported twice), or too many: it stays the connection's, charged all the same
@@ -193,7 +191,7 @@ class Ledger:
         self.objects[key] = charge
         self.hold(connection, key)
 
-    def hold(self, connection: _Connection, key: tuple[int, int]) -> bool:
+    def hold(self, connection: Connection, key: tuple[int, int]) -> bool:
         charge = self.objects.get(key)
         if charge is None:
             return False
@@ -201,7 +199,7 @@ class Ledger:
         connection.objects.add(key)
         return True
 
-    def declare_hold(self, connection: _Connection, slice_index: int, heap: int, size: int,
+    def declare_hold(self, connection: Connection, slice_index: int, heap: int, size: int,
                      key: tuple[int, int]) -> None:
         if key not in self.objects:
             if len(self.objects) >= MAX_OBJECTS:
@@ -211,7 +209,7 @@ class Ledger:
             self._change(slice_index, heap, size)
         self.hold(connection, key)
 
-    def unhold(self, connection: _Connection, key: tuple[int, int]) -> None:
+    def unhold(self, connection: Connection, key: tuple[int, int]) -> None:
         connection.objects.discard(key)
         charge = self.objects.get(key)
         if charge is None:
@@ -221,7 +219,7 @@ class Ledger:
             del self.objects[key]
             self._change(charge.slice, charge.heap, -charge.size)
 
-    def drop(self, connection: _Connection) -> None:
+    def drop(self, connection: Connection) -> None:
         """A connection closed: its process is gone (or has let go), and everything it held comes back."""
         self.connections.discard(connection)
         for (slice_index, heap), size in connection.held.items():
@@ -231,7 +229,7 @@ class Ledger:
             self.unhold(connection, key)
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One process's connection to its allocation's ledger."""
 
     def __init__(self, ledger: Ledger) -> None:
@@ -393,135 +391,9 @@ class _Connection(asyncio.Protocol):
         return True
 
 
-class Ledgers:
-    """The daemon's ledgers, one per allocation, each served on its socket in ``root``/<allocation>/."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._open: dict[str, tuple[Ledger, asyncio.Server]] = {}
-
-    def directory(self, allocation: str) -> Path:
-        return self.root / allocation
-
-    def __contains__(self, allocation: str) -> bool:
-        return allocation in self._open
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._open))
-
-    def bind(self, allocation: str) -> socket.socket:
-        """The allocation's directory and its socket, bound and listening (an earlier socket there is replaced:
-        a restarted daemon's). Blocks (a few system calls): call it in a thread, then ``serve`` it. Raises
-        OSError."""
-        make_private_directory(self.root)
-        directory = self.directory(allocation)
-        make_private_directory(directory)
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(SOCKET_NAME, dir_fd=fd)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            try:
-                # Through the directory's descriptor: a socket's path may not pass 107 bytes, and an allocation's
-                # directory under a long layer directory does.
-                listener.bind(f"/proc/self/fd/{fd}/{SOCKET_NAME}")
-                # Any user a container runs as connects (connect() needs write permission on the socket).
-                os.chmod(SOCKET_NAME, 0o666, dir_fd=fd, follow_symlinks=False)
-                listener.listen(MAX_CONNECTIONS)
-                listener.setblocking(False)
-            except OSError:
-                listener.close()
-                raise
-            return listener
-        finally:
-            os.close(fd)
-
-    async def serve(self, allocation: str, listener: socket.socket, terms: Sequence[Terms],
-                    restored: bool = False) -> Ledger:
-        """Serve an allocation's ledger on a socket ``bind`` made; an allocation served already keeps its ledger
-        (what its processes hold) with these terms, and the new socket is closed. ``restored``: the allocation is
-        an earlier run's, whose processes declare what they hold before any reservation is answered."""
-        if (served := self._open.get(allocation)) is not None:
-            listener.close()
-            served[0].retune(terms)
-            return served[0]
-        ledger = Ledger(allocation, terms, restored)
-        try:
-            server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(ledger), sock=listener)
-        except BaseException:
-            ledger.close()
-            listener.close()
-            raise
-        self._open[allocation] = (ledger, server)
-        return ledger
-
-    async def open(self, allocation: str, terms: Sequence[Terms], restored: bool = False) -> Ledger:
-        """``bind`` in a thread, then ``serve``. Raises OSError."""
-        if (served := self._open.get(allocation)) is not None:
-            served[0].retune(terms)
-            return served[0]
-        listener = await asyncio.to_thread(self.bind, allocation)
-        return await self.serve(allocation, listener, terms, restored)
-
-    def close(self, allocation: str) -> None:
-        """Stop serving the allocation's ledger and disconnect its processes; ``remove`` takes its directory."""
-        served = self._open.pop(allocation, None)
-        if served is not None:
-            ledger, server = served
-            server.close()
-            ledger.close()
-
-    def remove(self, allocation: str) -> None:
-        """The allocation's socket and directory, gone (only the daemon writes there). Blocks: call it in a thread.
-        Never raises."""
-        directory = self.directory(allocation)
-        with contextlib.suppress(OSError):
-            os.unlink(directory / SOCKET_NAME)
-        try:
-            os.rmdir(directory)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("cannot remove the ledger directory %s: %s", directory, exc.strerror or exc)
-
-    def on_disk(self) -> list[str]:
-        """The allocations whose directories are there (an earlier run's too). Blocks: call it in a thread."""
-        try:
-            return [entry.name for entry in os.scandir(self.root) if entry.is_dir(follow_symlinks=False)]
-        except OSError:
-            return []
-
-    def usage(self, allocation: str) -> list[SliceUse]:
-        served = self._open.get(allocation)
-        return served[0].usage() if served is not None else []
-
-    def close_all(self) -> None:
-        for allocation in list(self._open):
-            self.close(allocation)
-
-    async def keep(self) -> None:
-        """Duty: the ledgers are served by the loop; at stop, each is closed (its processes wait for the next
-        daemon, and declare what they hold to it)."""
-        try:
-            await asyncio.Event().wait()
-        finally:
-            self.close_all()
-
-
-def make_private_directory(path: Path) -> None:
-    """A directory only root writes (the containers read it), made without following a link that is there: an
-    entry of another kind where it should be is replaced. Raises OSError."""
-    try:
-        os.mkdir(path, 0o755)
-    except FileExistsError:
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode):
-            os.unlink(path)
-            os.mkdir(path, 0o755)
-    os.chmod(path, 0o755)
-
-
 async def _serve_until_stopped(directory: Path, terms: list[Terms]) -> None:
+    from gpuppetti.layer.ledgers import Ledgers  # the registry is built on this module
+
     ledgers = Ledgers(directory.parent)
     await ledgers.open(directory.name, terms)
     print(f"serving {directory / SOCKET_NAME}", flush=True)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from gpuppetti.base.fsutil import atomic_write, make_directory, read_untrusted, remove_file, remove_tree
 from gpuppetti.core.model import ContainerEdits, Mount
-from gpuppetti.layer.ledger import SOCKET_NAME, Ledgers, Terms
+from gpuppetti.layer.ledger import SOCKET_NAME, Terms
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.sharing.budgets import WHOLE_COMPUTE, Budget
 from gpuppetti.sharing.limits import DMEM_HOOK
 

@@ -23,7 +23,7 @@ from gpuppetti.commands.doctor.result import Result, fail, ok, skip, warn
 from gpuppetti.core.config import ConfigError
 from gpuppetti.discovery import BackendUnavailable
 from gpuppetti.hostagent.client import AgentError
-from gpuppetti.layer.ledger import Ledgers
+from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import (
     BUILD_FIX,
     BUILT,

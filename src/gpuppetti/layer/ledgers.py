@@ -1,0 +1,149 @@
+"""The daemon's ledgers, one per allocation, each served on a socket of its own (ledger.py says what one holds).
+
+An allocation's directory holds its socket alone, and only the daemon writes there: containers mount it read-only,
+which connect(2) works through, and a directory mount (not the socket's file) sees a socket a restarted daemon binds
+anew. A socket is bound through its directory's descriptor, as a socket's path may not pass 107 bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from gpuppetti.layer.ledger import MAX_CONNECTIONS, SOCKET_NAME, Connection, Ledger, SliceUse, Terms
+
+log = logging.getLogger(__name__)
+
+
+class Ledgers:
+    """The daemon's ledgers, one per allocation, each served on its socket in ``root``/<allocation>/."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._open: dict[str, tuple[Ledger, asyncio.Server]] = {}
+
+    def directory(self, allocation: str) -> Path:
+        return self.root / allocation
+
+    def __contains__(self, allocation: str) -> bool:
+        return allocation in self._open
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._open))
+
+    def bind(self, allocation: str) -> socket.socket:
+        """The allocation's directory and its socket, bound and listening (an earlier socket there is replaced:
+        a restarted daemon's). Blocks (a few system calls): call it in a thread, then ``serve`` it. Raises
+        OSError."""
+        make_private_directory(self.root)
+        directory = self.directory(allocation)
+        make_private_directory(directory)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SOCKET_NAME, dir_fd=fd)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                # Through the directory's descriptor: a socket's path may not pass 107 bytes, and an allocation's
+                # directory under a long layer directory does.
+                listener.bind(f"/proc/self/fd/{fd}/{SOCKET_NAME}")
+                # Any user a container runs as connects (connect() needs write permission on the socket).
+                os.chmod(SOCKET_NAME, 0o666, dir_fd=fd, follow_symlinks=False)
+                listener.listen(MAX_CONNECTIONS)
+                listener.setblocking(False)
+            except OSError:
+                listener.close()
+                raise
+            return listener
+        finally:
+            os.close(fd)
+
+    async def serve(self, allocation: str, listener: socket.socket, terms: Sequence[Terms],
+                    restored: bool = False) -> Ledger:
+        """Serve an allocation's ledger on a socket ``bind`` made; an allocation served already keeps its ledger
+        (what its processes hold) with these terms, and the new socket is closed. ``restored``: the allocation is
+        an earlier run's, whose processes declare what they hold before any reservation is answered."""
+        if (served := self._open.get(allocation)) is not None:
+            listener.close()
+            served[0].retune(terms)
+            return served[0]
+        ledger = Ledger(allocation, terms, restored)
+        try:
+            server = await asyncio.get_running_loop().create_unix_server(lambda: Connection(ledger), sock=listener)
+        except BaseException:
+            ledger.close()
+            listener.close()
+            raise
+        self._open[allocation] = (ledger, server)
+        return ledger
+
+    async def open(self, allocation: str, terms: Sequence[Terms], restored: bool = False) -> Ledger:
+        """``bind`` in a thread, then ``serve``. Raises OSError."""
+        if (served := self._open.get(allocation)) is not None:
+            served[0].retune(terms)
+            return served[0]
+        listener = await asyncio.to_thread(self.bind, allocation)
+        return await self.serve(allocation, listener, terms, restored)
+
+    def close(self, allocation: str) -> None:
+        """Stop serving the allocation's ledger and disconnect its processes; ``remove`` takes its directory."""
+        served = self._open.pop(allocation, None)
+        if served is not None:
+            ledger, server = served
+            server.close()
+            ledger.close()
+
+    def remove(self, allocation: str) -> None:
+        """The allocation's socket and directory, gone (only the daemon writes there). Blocks: call it in a thread.
+        Never raises."""
+        directory = self.directory(allocation)
+        with contextlib.suppress(OSError):
+            os.unlink(directory / SOCKET_NAME)
+        try:
+            os.rmdir(directory)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot remove the ledger directory %s: %s", directory, exc.strerror or exc)
+
+    def on_disk(self) -> list[str]:
+        """The allocations whose directories are there (an earlier run's too). Blocks: call it in a thread."""
+        try:
+            return [entry.name for entry in os.scandir(self.root) if entry.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+
+    def usage(self, allocation: str) -> list[SliceUse]:
+        served = self._open.get(allocation)
+        return served[0].usage() if served is not None else []
+
+    def close_all(self) -> None:
+        for allocation in list(self._open):
+            self.close(allocation)
+
+    async def keep(self) -> None:
+        """Duty: the ledgers are served by the loop; at stop, each is closed (its processes wait for the next
+        daemon, and declare what they hold to it)."""
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.close_all()
+
+
+def make_private_directory(path: Path) -> None:
+    """A directory only root writes (the containers read it), made without following a link that is there: an
+    entry of another kind where it should be is replaced. Raises OSError."""
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode):
+            os.unlink(path)
+            os.mkdir(path, 0o755)
+    os.chmod(path, 0o755)
