@@ -377,6 +377,7 @@ static void forked(void)
         ledger.mode = IDLE;
     }
     ledger.tried = false;
+    ledger.unanswered = false;
     /* Left allocated: another thread may have been changing the list at the fork. */
     ledger.objects = NULL;
     for (int i = 0; i < ledger.count; i++) {
@@ -654,8 +655,12 @@ bool ledger_hold(int slice, uint32_t heap, int64_t size, struct ledger_key key)
         held = true;
     } else if (ledger.mode != PRIVATE &&
                ask_waiting(LEDGER_HOLD, slice, heap, size, key, false) == 1) {
-        object = add_object(key, slice, heap, size);
+        /* Another thread may have imported it too while this one waited for the daemon. */
+        object = find(key);
         if (object != NULL) {
+            object->refs++;
+            held = true;
+        } else if ((object = add_object(key, slice, heap, size)) != NULL) {
             own_change(slice, heap, size);
             held = true;
         } else {

@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -942,6 +943,9 @@ static int64_t clock_ns(void)
     return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 }
 
+static char temporary[] = "/tmp/gpuppetti-harness-XXXXXX";
+static char ledger_dir[sizeof temporary + 16];
+
 /* -- the ledger: the daemon's, served by python -m gpuppetti.layer.ledger for each scenario that has one ---------- */
 
 /* The ledger's own view, as any process of the allocation sees it: its shared page, through a connection that holds
@@ -1421,6 +1425,83 @@ static void ledger_away(void)
     ledger_stop(again, SIGTERM);
 }
 
+/* Without a ledger, each process is held to the slice's budget alone: another's memory is not in its count. */
+static void held_alone(void)
+{
+    int ready[2];
+    CHECK(pipe(ready) == 0, "pipe");
+    fflush(NULL);
+    pid_t other = fork();
+    if (other == 0) {
+        close(ready[0]);
+        VkInstance instance = make_instance();
+        VkDevice device = make_device(first_gpu(instance), NULL, 0);
+        VkDeviceMemory memory;
+        char byte = allocate(device, 200 * MIB, NULL, &memory) == VK_SUCCESS ? 'y' : 'n';
+        if (write(ready[1], &byte, 1) != 1) _exit(1);
+        pause();
+        _exit(0);
+    }
+    close(ready[1]);
+    char byte = 0;
+    CHECK(read(ready[0], &byte, 1) == 1 && byte == 'y', "the other process's 200 MiB was refused");
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkDeviceMemory mine, more;
+    VkResult result = allocate(device, 200 * MIB, NULL, &mine);
+    CHECK(result == VK_SUCCESS, "200 MiB beside the other's 200 MiB: %d", result);
+    result = allocate(device, 100 * MIB, NULL, &more);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "100 MiB more past this process's 256 MiB: %d", result);
+    kill(other, SIGKILL);
+    waitpid(other, NULL, 0);
+    close(ready[0]);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* A socket that answers HELLO with what is not a ledger's answer: said once, and the process is held alone. */
+static void *answer_garbage(void *listener)
+{
+    int client = accept(*(int *)listener, NULL, NULL);
+    if (client >= 0) {
+        char request[sizeof(struct ledger_request)];
+        ssize_t got = recv(client, request, sizeof request, MSG_WAITALL);
+        struct ledger_answer answer = {.status = LEDGER_OK, .count = 7, .value = 1};
+        if (got == (ssize_t)sizeof request) {
+            send(client, &answer, sizeof answer, MSG_NOSIGNAL);
+        }
+        close(client);
+    }
+    return NULL;
+}
+
+static void ledger_garbage(void)
+{
+    char path[sizeof temporary + 32];
+    snprintf(path, sizeof path, "%s/garbage.sock", getenv("HARNESS_TEMPORARY"));
+    struct sockaddr_un address;
+    int listener = socket_address(path, &address) ? socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0) : -1;
+    unlink(path);
+    CHECK(listener >= 0 && bind(listener, (struct sockaddr *)&address, sizeof address) == 0 &&
+          listen(listener, 4) == 0, "a socket at %s", path);
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, answer_garbage, &listener) == 0, "pthread_create");
+    setenv("GPUPPETTI_VK_LEDGER", path, 1);
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkDeviceMemory held[64];
+    VkResult refusal;
+    VkDeviceSize obtained = fill(device, 16 * MIB, &refusal, held, 64);
+    CHECK(refusal == VK_ERROR_OUT_OF_DEVICE_MEMORY && obtained == SLICE_MIB * MIB, "%llu MiB, then %d",
+          (unsigned long long)(obtained / MIB), refusal);
+    free_held(device, held, 64);
+    pthread_join(thread, NULL);
+    close(listener);
+    unlink(path);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
 /* -- running them ---------------------------------------------------------------------------------------------- */
 
 struct scenario {
@@ -1439,10 +1520,8 @@ static const struct scenario scenarios[] = {
     {"fork-free", fork_free},                 {"fork-own-connection", fork_own_connection},
     {"shared-edge", shared_edge},             {"free-reuse", free_reuse},
     {"export-handoff", export_handoff},       {"ledger-away", ledger_away},
+    {"held-alone", held_alone},               {"ledger-garbage", ledger_garbage},
 };
-
-static char temporary[] = "/tmp/gpuppetti-harness-XXXXXX";
-static char ledger_dir[sizeof temporary + 16];
 
 /* The driver a scenario runs on: lavapipe, or the fake driver with its settings. */
 struct driver {
@@ -1665,6 +1744,8 @@ static bool on_the_fake_driver(const char *self, const char *manifest)
     ok &= run(self, "fork-own-connection", slice, NULL, budgets, 0, &roomy);
     ok &= run(self, "shared-edge", slice, NULL, budgets, 0, &roomy);
     ok &= run(self, "ledger-away", slice, NULL, budgets, 0, &roomy);
+    ok &= run(self, "held-alone", slice, NULL, NULL, 0, &roomy);
+    ok &= run(self, "ledger-garbage", slice, NULL, NULL, 0, &roomy);
     return ok;
 }
 
@@ -1700,6 +1781,7 @@ int main(int argc, char **argv)
         return 1;
     }
     snprintf(ledger_dir, sizeof ledger_dir, "%s/ledger", temporary);
+    setenv("HARNESS_TEMPORARY", temporary, 1);
     bool ok = true;
     if (lavapipe != NULL && *lavapipe != '\0') {
         ok &= on_lavapipe(argv[0], lavapipe);
