@@ -9,6 +9,11 @@
  * Each process holds a connection of its own (a forked child opens its own): what a connection holds is released
  * when it closes, so a process that dies, however it dies, gives its memory back at once.
  *
+ * A daemon that restarts closes every connection. A process that holds memory watches its connection (a thread that
+ * polls it for the peer's hang-up, reading nothing) and reconnects as soon as the socket is back, then declares what
+ * it holds (DECLARE, DECLARE_HOLD); a ledger served again after a restart answers no RESERVE or HOLD for its first
+ * two seconds, so that what the earlier processes hold is declared before a newcomer is answered.
+ *
  * Every request is one struct ledger_request, little-endian (the daemon and the layer run on one machine). HELLO
  * comes first; its answer is a struct ledger_answer followed by `count` struct ledger_slice_terms, with one file
  * descriptor passed beside the answer's first byte (SCM_RIGHTS): the allocation's shared page (struct
@@ -77,7 +82,8 @@ struct ledger_answer {
 /* HELLO's answer names each slice's terms, as the daemon holds them (its own, whatever the environment says). */
 struct ledger_slice_terms {
     int64_t budget;   /* bytes; 0: a whole GPU, not limited */
-    int64_t compute;  /* thousandths of the GPU's time; 1000: not throttled */
+    int64_t compute;  /* thousandths of the GPU's time; 1000: not throttled; 0: not known to the daemon (the
+                       * container's GPUPPETTI_VK_COMPUTE is what throttles, either way) */
 };
 
 /* The shared page, per allocation. The daemon writes what each slice holds (after every change, before it answers);
