@@ -37,8 +37,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <sys/stat.h>
-
 #include <vulkan/vk_layer.h>
 #include <vulkan/vulkan.h>
 
@@ -981,11 +979,10 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_AllocateMemory(VkDevice handle, cons
     int64_t size = info->allocationSize > (VkDeviceSize)INT64_MAX ? INT64_MAX : (int64_t)info->allocationSize;
     if (in) {
         /* Known by its file, taken before the driver owns (and may close) the fd. */
-        struct stat object;
-        if (fstat(fd, &object) != 0) {
+        struct ledger_key key;
+        if (!ledger_key_of(fd, &key)) {
             return device->AllocateMemory(handle, info, allocator, out);
         }
-        struct ledger_key key = {(uint64_t)object.st_dev, (uint64_t)object.st_ino};
         VkResult result = device->AllocateMemory(handle, info, allocator, out);
         /* The allocation's own export is held by this process too until it frees this handle; anything else is
          * someone else's memory. */
@@ -1046,11 +1043,9 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_GetMemoryFdKHR(VkDevice handle, cons
         return VK_ERROR_INITIALIZATION_FAILED;
     }
     VkResult result = device->GetMemoryFdKHR(handle, info, fd);
-    struct stat object;
-    if (result == VK_SUCCESS && device->slice != NULL && info != NULL && fd != NULL && *fd >= 0 &&
-        fstat(*fd, &object) == 0) {
-        mark_exported(device, (uint64_t)(uintptr_t)info->memory,
-                      (struct ledger_key){(uint64_t)object.st_dev, (uint64_t)object.st_ino});
+    struct ledger_key key;
+    if (result == VK_SUCCESS && device->slice != NULL && info != NULL && fd != NULL && ledger_key_of(*fd, &key)) {
+        mark_exported(device, (uint64_t)(uintptr_t)info->memory, key);
     }
     return result;
 }

@@ -3,23 +3,38 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "slices.h"
 
-/* How long a daemon has to answer a request (or to take one) before the connection counts as lost. */
-#define ANSWER_MS 2000
-/* How often a reservation tries again while the daemon is away. */
+/* As in dutycycle.c: the first versions of the thread functions, so that the layer loads with an older glibc too. */
+#if defined(__x86_64__)
+__asm__(".symver pthread_create,pthread_create@GLIBC_2.2.5");
+__asm__(".symver pthread_join,pthread_join@GLIBC_2.2.5");
+#elif defined(__aarch64__)
+__asm__(".symver pthread_create,pthread_create@GLIBC_2.17");
+__asm__(".symver pthread_join,pthread_join@GLIBC_2.17");
+#endif
+
+/* How long a daemon has to answer a request (or to take one) before the connection counts as lost: longer than a
+ * restarted daemon holds reservations back while the processes of before declare what they hold. */
+#define ANSWER_MS 5000
+/* How often a reservation, and the watcher, try again while the daemon is away; the watcher more slowly once it has
+ * been away for GPUPPETTI_VK_LEDGER_WAIT_MS. */
 #define RETRY_NS 20000000LL
+#define SLOW_RETRY_MS 250
 #define DEFAULT_WAIT_MS 15000
 /* File descriptors a HELLO's answer may carry beside the page's (each closed at once). */
 #define MAX_FDS 8
@@ -53,6 +68,7 @@ static struct {
     enum mode mode;
     bool tried;           /* ledger_open connected once (or tried to) */
     bool unanswered;      /* one-way requests went since the last answer: the page may not show them yet */
+    unsigned generation;  /* of the connection: each connect and disconnect makes a new one */
     int fd;
     int count;
     struct slice_state *slices;
@@ -61,6 +77,16 @@ static struct {
     struct sockaddr_un address;
     int64_t wait_ns;
 } ledger = {.lock = PTHREAD_MUTEX_INITIALIZER, .mode = PRIVATE, .fd = -1};
+
+/* The watcher: a thread that sees the connection close (the daemon stopped) and connects again as soon as the daemon
+ * is back, so that the new daemon learns what this process holds before it hands memory out (it holds reservations
+ * back for a moment after a restart for that), not at this process's next allocation. Under the ledger's lock. */
+static struct {
+    bool running;
+    bool stop;
+    pthread_t thread;
+    int wake; /* an eventfd: the layer is being unloaded */
+} watcher = {.wake = -1};
 
 static _Atomic unsigned forks;
 static atomic_flag said_private, said_wait;
@@ -88,6 +114,23 @@ static int64_t clamped(int64_t value)
 static int64_t sum(int64_t a, int64_t b)
 {
     return a > INT64_MAX - b ? INT64_MAX : a + b;
+}
+
+/* fstat itself is a symbol of glibc 2.33 (a wrapper before): the system call, for the layer to load with glibc 2.17.
+ * On x86_64 and aarch64 the kernel's struct stat is glibc's. */
+static int stat_of(int fd, struct stat *info)
+{
+    return (int)syscall(SYS_fstat, fd, info);
+}
+
+bool ledger_key_of(int fd, struct ledger_key *key)
+{
+    struct stat info;
+    if (fd < 0 || stat_of(fd, &info) != 0) {
+        return false;
+    }
+    *key = (struct ledger_key){(uint64_t)info.st_dev, (uint64_t)info.st_ino};
+    return true;
 }
 
 /* -- HELLO's answer ------------------------------------------------------------------------------------------ */
@@ -198,6 +241,7 @@ static struct ledger_request request(uint32_t op, int slice, uint32_t heap, int6
 /* The connection lost (or never made): what it held, the daemon gave back; the spare with it. Held: the lock. */
 static void disconnect(void)
 {
+    ledger.generation++;
     if (ledger.fd >= 0) {
         close(ledger.fd);
         ledger.fd = -1;
@@ -261,6 +305,80 @@ static void take_over(struct ledger_shared_slice *fresh, struct ledger_shared_sl
     }
 }
 
+static void connect_ledger(void);
+
+static void *watch(void *unused)
+{
+    (void)unused;
+    int64_t away_since = 0;
+    pthread_mutex_lock(&ledger.lock);
+    while (!watcher.stop) {
+        if (ledger.mode == IDLE) {
+            connect_ledger();
+        }
+        if (ledger.mode == PRIVATE) {
+            break;
+        }
+        int fd = ledger.mode == CONNECTED ? ledger.fd : -1;
+        unsigned generation = ledger.generation;
+        int timeout = 1000;
+        if (fd >= 0) {
+            away_since = 0;
+        } else {
+            away_since = away_since != 0 ? away_since : now_ns();
+            timeout = now_ns() - away_since < ledger.wait_ns ? (int)(RETRY_NS / 1000000) : SLOW_RETRY_MS;
+        }
+        pthread_mutex_unlock(&ledger.lock);
+        /* Answers are read by whoever asked: only a hang-up is watched for here. */
+        struct pollfd polled[2] = {{.fd = watcher.wake, .events = POLLIN}, {.fd = fd, .events = POLLRDHUP}};
+        int ready = poll(polled, 2, timeout);
+        pthread_mutex_lock(&ledger.lock);
+        bool hung_up = ready > 0 && fd >= 0 && (polled[1].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+        if (hung_up && ledger.generation == generation && ledger.mode == CONNECTED) {
+            disconnect();
+        }
+    }
+    watcher.running = false;
+    pthread_mutex_unlock(&ledger.lock);
+    return NULL;
+}
+
+/* Held: the lock. */
+static void start_watcher(void)
+{
+    if (watcher.running || watcher.stop) {
+        return;
+    }
+    if (watcher.wake < 0) {
+        watcher.wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    }
+    if (watcher.wake < 0 || pthread_create(&watcher.thread, NULL, watch, NULL) != 0) {
+        return; /* no watcher: the process reconnects at its next reservation instead */
+    }
+    watcher.running = true;
+}
+
+/* When the layer is unloaded (the loader unloads it with the last instance) or the process exits: the watcher stops
+ * before its code goes, and the connection closes (what it held is given back: nothing but spare is left by then,
+ * every device having freed its memory). */
+__attribute__((destructor)) static void unload(void)
+{
+    pthread_mutex_lock(&ledger.lock);
+    bool running = watcher.running;
+    pthread_t thread = watcher.thread;
+    watcher.stop = true;
+    pthread_mutex_unlock(&ledger.lock);
+    if (running) {
+        uint64_t one = 1;
+        if (write(watcher.wake, &one, sizeof one) == (ssize_t)sizeof one) {
+            pthread_join(thread, NULL);
+        }
+    }
+    pthread_mutex_lock(&ledger.lock);
+    disconnect();
+    pthread_mutex_unlock(&ledger.lock);
+}
+
 /* Connect, say HELLO, declare what this process holds, and use the new page. Held: the lock. */
 static void connect_ledger(void)
 {
@@ -303,7 +421,7 @@ static void connect_ledger(void)
     struct stat info;
     void *page = MAP_FAILED;
     int64_t page_size = 0;
-    if (page_fd >= 0 && fstat(page_fd, &info) == 0 && info.st_size >= LEDGER_SHARED_SIZE &&
+    if (page_fd >= 0 && stat_of(page_fd, &info) == 0 && info.st_size >= LEDGER_SHARED_SIZE &&
         (fcntl(page_fd, F_GET_SEALS) & F_SEAL_SHRINK) != 0) {
         /* Sealed against shrinking: no process of the allocation can make a read of it fault. */
         page = mmap(NULL, LEDGER_SHARED_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, page_fd, 0);
@@ -358,6 +476,8 @@ static void connect_ledger(void)
     }
     ledger.fd = fd;
     ledger.mode = CONNECTED;
+    ledger.generation++;
+    start_watcher();
 }
 
 /* -- setting up, and forks ----------------------------------------------------------------------------------- */
@@ -378,6 +498,12 @@ static void forked(void)
     }
     ledger.tried = false;
     ledger.unanswered = false;
+    /* The watcher is the parent's: the child starts its own when it connects. */
+    watcher.running = false;
+    if (watcher.wake >= 0) {
+        close(watcher.wake);
+        watcher.wake = -1;
+    }
     /* Left allocated: another thread may have been changing the list at the fork. */
     ledger.objects = NULL;
     for (int i = 0; i < ledger.count; i++) {

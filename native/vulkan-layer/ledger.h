@@ -66,6 +66,8 @@ int64_t ledger_budget(int slice, int64_t fallback);
  * away for GPUPPETTI_VK_LEDGER_WAIT_MS. */
 bool ledger_reserve(int slice, uint32_t heap, int64_t size);
 void ledger_release(int slice, uint32_t heap, int64_t size);
+/* The object an exported (or imported) file descriptor stands for; false where fd is none. */
+bool ledger_key_of(int fd, struct ledger_key *key);
 /* Size bytes reserved on the slice's heap were exported as the object key: charged to it from now on, and held by
  * this process until ledger_unhold. False where it stays a reservation (given back by ledger_release): no memory
  * was left to remember the object by, or this process holds it already. */

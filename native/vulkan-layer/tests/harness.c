@@ -1000,9 +1000,8 @@ static struct ledger_shared *observe(void)
 
 /* The slice's total as the ledger says it, once it is expected (one-way requests are taken in the daemon's time):
  * the last figure seen within two seconds. */
-static int64_t total_becomes(int64_t expected)
+static int64_t total_on(struct ledger_shared *page, int64_t expected)
 {
-    struct ledger_shared *page = observe();
     int64_t total = -1;
     for (int tries = 0; page != NULL && tries < 200; tries++) {
         total = atomic_load(&page->slice[0].total);
@@ -1012,6 +1011,11 @@ static int64_t total_becomes(int64_t expected)
         usleep(10000);
     }
     return total;
+}
+
+static int64_t total_becomes(int64_t expected)
+{
+    return total_on(observe(), expected);
 }
 
 /* The total a while after something that must not change it. */
@@ -1379,7 +1383,8 @@ static void export_handoff(void)
 }
 
 /* The daemon killed mid-run: a free goes on at once; an allocation waits GPUPPETTI_VK_LEDGER_WAIT_MS and is refused.
- * A new daemon is told what the process holds, and allocations work again. */
+ * A new daemon is told what the process holds as soon as it is there, before any allocation, and allocations work
+ * again. */
 static void ledger_away(void)
 {
     VkInstance instance = make_instance();
@@ -1408,11 +1413,14 @@ static void ledger_away(void)
     if (slash != NULL) *slash = '\0';
     pid_t again = ledger_start(directory, getenv("HARNESS_LEDGER_BUDGETS"), NULL);
     CHECK(again > 0, "a new daemon");
+    /* The new daemon knows the 64 MiB held from before it, not the spare the old one had. */
+    struct ledger_shared *page = observe_at(getenv("GPUPPETTI_VK_LEDGER"));
+    int64_t total = total_on(page, (int64_t)(64 * MIB));
+    CHECK(total == (int64_t)(64 * MIB), "the new daemon's total %lld MiB before any allocation",
+          (long long)(total / (int64_t)MIB));
     result = allocate(device, 16 * MIB, NULL, &late);
     CHECK(result == VK_SUCCESS, "an allocation once a new daemon answers: %d", result);
-    /* The new daemon knows the 64 MiB held from before it, and the 16 MiB since; not the spare the old one had. */
-    struct ledger_shared *page = observe_at(getenv("GPUPPETTI_VK_LEDGER"));
-    int64_t total = page != NULL ? atomic_load(&page->slice[0].total) : -1;
+    total = total_on(page, (int64_t)(80 * MIB));
     CHECK(total == (int64_t)(80 * MIB), "the new daemon's total %lld MiB", (long long)(total / (int64_t)MIB));
     VkDeviceMemory past;
     result = allocate(device, 200 * MIB, NULL, &past);
