@@ -581,6 +581,11 @@ void ledger_open(void)
     if (ledger.mode == IDLE && !ledger.tried) {
         ledger.tried = true;
         connect_ledger();
+        if (ledger.mode == IDLE) {
+            /* The daemon is away now: the watcher connects once it is back (a device held to a compute share alone
+             * never reserves, yet shares its duty cycle through the ledger's page). */
+            start_watcher();
+        }
     }
     pthread_mutex_unlock(&ledger.lock);
 }

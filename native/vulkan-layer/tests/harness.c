@@ -10,7 +10,10 @@
  *
  * make check installs the layer as an implicit layer (XDG_DATA_HOME) and says where the drivers are:
  * HARNESS_LAVAPIPE (lavapipe's manifest; empty: its scenarios are skipped), HARNESS_FAKE_ICD (the fake driver's
- * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library). Exit status: 0 when every scenario passed, 1 otherwise; a
+ * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library), and how to serve a ledger: the daemons' own code
+ * (python -m gpuppetti.layer.ledger serve), run by HARNESS_LEDGER_PYTHON with HARNESS_LEDGER_PATH as its PYTHONPATH,
+ * one ledger per scenario that has one. A scenario reads the ledger's figures as any process of the allocation
+ * can: through the shared page of a connection of its own that holds nothing. Exit status: 0 when every scenario passed, 1 otherwise; a
  * scenario that crashes or that a sanitizer stops is a failure.
  */
 #define _GNU_SOURCE
@@ -1510,6 +1513,27 @@ static void ledger_garbage(void)
     vkDestroyInstance(instance, NULL);
 }
 
+/* The compute share is the ledger's, whatever the environment says: with none there, a share of a thousandth from the
+ * ledger holds the submits back, and their wait shows on the shared page. */
+static void compute_from_the_ledger(void)
+{
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkQueue queue;
+    vkGetDeviceQueue(device, 0, 0, &queue);
+    VkSubmitInfo submit = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO};
+    for (int i = 0; i < 5; i++) {
+        VkResult result = vkQueueSubmit(queue, 1, &submit, VK_NULL_HANDLE);
+        CHECK(result == VK_SUCCESS, "submit %d: %d", i, result);
+        CHECK(vkQueueWaitIdle(queue) == VK_SUCCESS, "vkQueueWaitIdle");
+    }
+    struct ledger_shared *page = observe();
+    int64_t waited = page != NULL ? atomic_load(&page->slice[0].waited_ns) : -1;
+    CHECK(waited > 0, "the submits waited %lld ns under the ledger's share", (long long)waited);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
 /* -- running them ---------------------------------------------------------------------------------------------- */
 
 struct scenario {
@@ -1529,7 +1553,11 @@ static const struct scenario scenarios[] = {
     {"shared-edge", shared_edge},             {"free-reuse", free_reuse},
     {"export-handoff", export_handoff},       {"ledger-away", ledger_away},
     {"held-alone", held_alone},               {"ledger-garbage", ledger_garbage},
+    {"ledger-compute", compute_from_the_ledger},
 };
+
+/* The shares the next ledger is served with, where they are not the environment's. */
+static const char *daemon_compute;
 
 /* The driver a scenario runs on: lavapipe, or the fake driver with its settings. */
 struct driver {
@@ -1616,7 +1644,8 @@ static void report(const char *name, const char *slices, const struct driver *dr
 static bool run(const char *self, const char *name, const char *slices, const char *compute, const char *budgets,
                 int expect_signal, const struct driver *driver)
 {
-    pid_t daemon = budgets != NULL ? ledger_start(ledger_dir, budgets, compute) : 0;
+    pid_t daemon = budgets != NULL ? ledger_start(ledger_dir, budgets, daemon_compute != NULL ? daemon_compute : compute)
+                                   : 0;
     bool ok = daemon >= 0;
     if (ok) {
         pid_t child = start(self, name, slices, compute, daemon, budgets, driver);
@@ -1697,6 +1726,9 @@ static bool on_lavapipe(const char *self, const char *manifest)
     ok &= killed_holders(self, slice, budgets, &lavapipe);
     ok &= run(self, "throttled-submits", slice, "250", budgets, 0, &lavapipe);
     ok &= run(self, "export-handoff", slice, NULL, budgets, 0, &lavapipe);
+    daemon_compute = "1";
+    ok &= run(self, "ledger-compute", slice, NULL, budgets, 0, &lavapipe);
+    daemon_compute = NULL;
     return ok;
 }
 
