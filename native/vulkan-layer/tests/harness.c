@@ -13,8 +13,8 @@
  * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library), and how to serve a ledger: the daemons' own code
  * (python -m gpuppetti.layer.ledger serve), run by HARNESS_LEDGER_PYTHON with HARNESS_LEDGER_PATH as its PYTHONPATH,
  * one ledger per scenario that has one. A scenario reads the ledger's figures as any process of the allocation
- * can: through the shared page of a connection of its own that holds nothing. Exit status: 0 when every scenario passed, 1 otherwise; a
- * scenario that crashes or that a sanitizer stops is a failure.
+ * can: through the shared page of a connection of its own that holds nothing. Exit status: 0 when every scenario
+ * passed, 1 otherwise; a scenario that crashes or that a sanitizer stops is a failure.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -317,7 +317,8 @@ static void exported_memory(void)
     /* The exporter's handle freed: the import still holds the object. */
     vkFreeMemory(device, memory, NULL);
     total = total_after_a_while();
-    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB with the import alone held", (long long)(total / (int64_t)MIB));
+    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB with the import alone held",
+          (long long)(total / (int64_t)MIB));
     if (again != VK_NULL_HANDLE) {
         vkFreeMemory(device, again, NULL);
     }
@@ -951,8 +952,6 @@ static char ledger_dir[sizeof temporary + 16];
 
 /* -- the ledger: the daemon's, served by python -m gpuppetti.layer.ledger for each scenario that has one ---------- */
 
-/* The ledger's own view, as any process of the allocation sees it: its shared page, through a connection that holds
- * nothing. */
 /* A socket's address; false where the path does not fit one. */
 static bool socket_address(const char *path, struct sockaddr_un *address)
 {
@@ -965,6 +964,8 @@ static bool socket_address(const char *path, struct sockaddr_un *address)
     return true;
 }
 
+/* The ledger's own view, as any process of the allocation sees it: its shared page, through a connection that holds
+ * nothing. */
 static struct ledger_shared *observe_at(const char *path)
 {
     struct sockaddr_un address;
@@ -1402,7 +1403,8 @@ static void ledger_away(void)
     usleep(100000);
     int64_t began = clock_ns();
     vkFreeMemory(device, freed, NULL);
-    CHECK(clock_ns() - began < 50000000, "a free waited %lld ms for the daemon", (long long)((clock_ns() - began) / 1000000));
+    int64_t took = clock_ns() - began;
+    CHECK(took < 50000000, "a free waited %lld ms for the daemon", (long long)(took / 1000000));
     began = clock_ns();
     VkResult result = allocate(device, 16 * MIB, NULL, &late);
     int64_t waited = clock_ns() - began;
@@ -1644,8 +1646,8 @@ static void report(const char *name, const char *slices, const struct driver *dr
 static bool run(const char *self, const char *name, const char *slices, const char *compute, const char *budgets,
                 int expect_signal, const struct driver *driver)
 {
-    pid_t daemon = budgets != NULL ? ledger_start(ledger_dir, budgets, daemon_compute != NULL ? daemon_compute : compute)
-                                   : 0;
+    const char *shares = daemon_compute != NULL ? daemon_compute : compute;
+    pid_t daemon = budgets != NULL ? ledger_start(ledger_dir, budgets, shares) : 0;
     bool ok = daemon >= 0;
     if (ok) {
         pid_t child = start(self, name, slices, compute, daemon, budgets, driver);
