@@ -532,8 +532,10 @@ static int64_t wait_from(const char *text)
     errno = 0;
     long value = strtol(text, &end, 10);
     if (errno != 0 || end == text || *end != '\0' || value < 0 || value > 86400000) {
-        say_once(&said_wait, "GPUPPETTI_VK_LEDGER_WAIT_MS does not parse; waiting for the ledger up to ms: 15000",
-                 "");
+        if (!atomic_flag_test_and_set(&said_wait)) {
+            fprintf(stderr, "gpuppetti Vulkan layer: GPUPPETTI_VK_LEDGER_WAIT_MS=%.40s does not parse; a reservation "
+                    "waits up to %d ms for an absent ledger\n", text, DEFAULT_WAIT_MS);
+        }
         return (int64_t)DEFAULT_WAIT_MS * 1000000;
     }
     return (int64_t)value * 1000000;
