@@ -316,13 +316,13 @@ static void *watch(void *unused)
         if (ledger.mode == IDLE) {
             connect_ledger();
         }
-        if (ledger.mode == PRIVATE) {
-            break;
-        }
         int fd = ledger.mode == CONNECTED ? ledger.fd : -1;
         unsigned generation = ledger.generation;
         int timeout = 1000;
-        if (fd >= 0) {
+        if (ledger.mode == PRIVATE) {
+            /* Nothing more to watch: until the layer is unloaded (it joins this thread then). */
+            timeout = -1;
+        } else if (fd >= 0) {
             away_since = 0;
         } else {
             away_since = away_since != 0 ? away_since : now_ns();
@@ -338,7 +338,6 @@ static void *watch(void *unused)
             disconnect();
         }
     }
-    watcher.running = false;
     pthread_mutex_unlock(&ledger.lock);
     return NULL;
 }
