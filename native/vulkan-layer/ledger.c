@@ -316,13 +316,13 @@ static void *watch(void *unused)
         if (ledger.mode == IDLE) {
             connect_ledger();
         }
-        if (ledger.mode == PRIVATE) {
-            break;
-        }
         int fd = ledger.mode == CONNECTED ? ledger.fd : -1;
         unsigned generation = ledger.generation;
         int timeout = 1000;
-        if (fd >= 0) {
+        if (ledger.mode == PRIVATE) {
+            /* Nothing more to watch: until the layer is unloaded (it joins this thread then). */
+            timeout = -1;
+        } else if (fd >= 0) {
             away_since = 0;
         } else {
             away_since = away_since != 0 ? away_since : now_ns();
@@ -338,7 +338,6 @@ static void *watch(void *unused)
             disconnect();
         }
     }
-    watcher.running = false;
     pthread_mutex_unlock(&ledger.lock);
     return NULL;
 }
@@ -532,8 +531,10 @@ static int64_t wait_from(const char *text)
     errno = 0;
     long value = strtol(text, &end, 10);
     if (errno != 0 || end == text || *end != '\0' || value < 0 || value > 86400000) {
-        say_once(&said_wait, "GPUPPETTI_VK_LEDGER_WAIT_MS does not parse; waiting for the ledger up to ms: 15000",
-                 "");
+        if (!atomic_flag_test_and_set(&said_wait)) {
+            fprintf(stderr, "gpuppetti Vulkan layer: GPUPPETTI_VK_LEDGER_WAIT_MS=%.40s does not parse; a reservation "
+                    "waits up to %d ms for an absent ledger\n", text, DEFAULT_WAIT_MS);
+        }
         return (int64_t)DEFAULT_WAIT_MS * 1000000;
     }
     return (int64_t)value * 1000000;
@@ -581,6 +582,11 @@ void ledger_open(void)
     if (ledger.mode == IDLE && !ledger.tried) {
         ledger.tried = true;
         connect_ledger();
+        if (ledger.mode == IDLE) {
+            /* The daemon is away now: the watcher connects once it is back (a device held to a compute share alone
+             * never reserves, yet shares its duty cycle through the ledger's page). */
+            start_watcher();
+        }
     }
     pthread_mutex_unlock(&ledger.lock);
 }

@@ -15,8 +15,9 @@
  * handle.
  *
  * The daemon away (restarted, upgraded): a reservation tries again every 20 ms, for at most
- * GPUPPETTI_VK_LEDGER_WAIT_MS, then is refused; a free counts in this process alone. Once the daemon answers again,
- * the process declares what it holds, so that the new daemon's ledger knows it. Submits never wait for the daemon.
+ * GPUPPETTI_VK_LEDGER_WAIT_MS, then is refused; a free counts in this process alone. A thread of the layer's watches
+ * the connection and connects again as soon as the daemon is back: the process then declares what it holds, so that
+ * the new daemon's ledger knows it before it hands memory out. Submits never wait for the daemon.
  *
  * Without GPUPPETTI_VK_LEDGER, or with a daemon that answers what the layer does not understand, a private page
  * stands in: the process alone is held to the budgets of GPUPPETTI_VK_SLICES.

@@ -10,8 +10,11 @@
  *
  * make check installs the layer as an implicit layer (XDG_DATA_HOME) and says where the drivers are:
  * HARNESS_LAVAPIPE (lavapipe's manifest; empty: its scenarios are skipped), HARNESS_FAKE_ICD (the fake driver's
- * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library). Exit status: 0 when every scenario passed, 1 otherwise; a
- * scenario that crashes or that a sanitizer stops is a failure.
+ * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library), and how to serve a ledger: the daemons' own code
+ * (python -m gpuppetti.layer.ledger serve), run by HARNESS_LEDGER_PYTHON with HARNESS_LEDGER_PATH as its PYTHONPATH,
+ * one ledger per scenario that has one. A scenario reads the ledger's figures as any process of the allocation
+ * can: through the shared page of a connection of its own that holds nothing. Exit status: 0 when every scenario
+ * passed, 1 otherwise; a scenario that crashes or that a sanitizer stops is a failure.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -314,7 +317,8 @@ static void exported_memory(void)
     /* The exporter's handle freed: the import still holds the object. */
     vkFreeMemory(device, memory, NULL);
     total = total_after_a_while();
-    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB with the import alone held", (long long)(total / (int64_t)MIB));
+    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB with the import alone held",
+          (long long)(total / (int64_t)MIB));
     if (again != VK_NULL_HANDLE) {
         vkFreeMemory(device, again, NULL);
     }
@@ -948,8 +952,6 @@ static char ledger_dir[sizeof temporary + 16];
 
 /* -- the ledger: the daemon's, served by python -m gpuppetti.layer.ledger for each scenario that has one ---------- */
 
-/* The ledger's own view, as any process of the allocation sees it: its shared page, through a connection that holds
- * nothing. */
 /* A socket's address; false where the path does not fit one. */
 static bool socket_address(const char *path, struct sockaddr_un *address)
 {
@@ -962,6 +964,8 @@ static bool socket_address(const char *path, struct sockaddr_un *address)
     return true;
 }
 
+/* The ledger's own view, as any process of the allocation sees it: its shared page, through a connection that holds
+ * nothing. */
 static struct ledger_shared *observe_at(const char *path)
 {
     struct sockaddr_un address;
@@ -1399,7 +1403,8 @@ static void ledger_away(void)
     usleep(100000);
     int64_t began = clock_ns();
     vkFreeMemory(device, freed, NULL);
-    CHECK(clock_ns() - began < 50000000, "a free waited %lld ms for the daemon", (long long)((clock_ns() - began) / 1000000));
+    int64_t took = clock_ns() - began;
+    CHECK(took < 50000000, "a free waited %lld ms for the daemon", (long long)(took / 1000000));
     began = clock_ns();
     VkResult result = allocate(device, 16 * MIB, NULL, &late);
     int64_t waited = clock_ns() - began;
@@ -1510,6 +1515,27 @@ static void ledger_garbage(void)
     vkDestroyInstance(instance, NULL);
 }
 
+/* The compute share is the ledger's, whatever the environment says: with none there, a share of a thousandth from the
+ * ledger holds the submits back, and their wait shows on the shared page. */
+static void compute_from_the_ledger(void)
+{
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkQueue queue;
+    vkGetDeviceQueue(device, 0, 0, &queue);
+    VkSubmitInfo submit = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO};
+    for (int i = 0; i < 5; i++) {
+        VkResult result = vkQueueSubmit(queue, 1, &submit, VK_NULL_HANDLE);
+        CHECK(result == VK_SUCCESS, "submit %d: %d", i, result);
+        CHECK(vkQueueWaitIdle(queue) == VK_SUCCESS, "vkQueueWaitIdle");
+    }
+    struct ledger_shared *page = observe();
+    int64_t waited = page != NULL ? atomic_load(&page->slice[0].waited_ns) : -1;
+    CHECK(waited > 0, "the submits waited %lld ns under the ledger's share", (long long)waited);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
 /* -- running them ---------------------------------------------------------------------------------------------- */
 
 struct scenario {
@@ -1529,7 +1555,11 @@ static const struct scenario scenarios[] = {
     {"shared-edge", shared_edge},             {"free-reuse", free_reuse},
     {"export-handoff", export_handoff},       {"ledger-away", ledger_away},
     {"held-alone", held_alone},               {"ledger-garbage", ledger_garbage},
+    {"ledger-compute", compute_from_the_ledger},
 };
+
+/* The shares the next ledger is served with, where they are not the environment's. */
+static const char *daemon_compute;
 
 /* The driver a scenario runs on: lavapipe, or the fake driver with its settings. */
 struct driver {
@@ -1616,7 +1646,8 @@ static void report(const char *name, const char *slices, const struct driver *dr
 static bool run(const char *self, const char *name, const char *slices, const char *compute, const char *budgets,
                 int expect_signal, const struct driver *driver)
 {
-    pid_t daemon = budgets != NULL ? ledger_start(ledger_dir, budgets, compute) : 0;
+    const char *shares = daemon_compute != NULL ? daemon_compute : compute;
+    pid_t daemon = budgets != NULL ? ledger_start(ledger_dir, budgets, shares) : 0;
     bool ok = daemon >= 0;
     if (ok) {
         pid_t child = start(self, name, slices, compute, daemon, budgets, driver);
@@ -1659,8 +1690,8 @@ static bool killed_holders(const char *self, const char *slice, const char *budg
         kill(holders[i], SIGKILL);
         waitpid(holders[i], NULL, 0);
     }
-    /* At once: as soon as the daemon sees their connections close. */
-    for (int tries = 0; page != NULL && tries < 50 && total != 0; tries++) {
+    /* At once: as soon as the daemon sees their connections close (within two seconds on a busy machine). */
+    for (int tries = 0; page != NULL && tries < 200 && total != 0; tries++) {
         usleep(10000);
         total = atomic_load(&page->slice[0].total);
     }
@@ -1697,6 +1728,9 @@ static bool on_lavapipe(const char *self, const char *manifest)
     ok &= killed_holders(self, slice, budgets, &lavapipe);
     ok &= run(self, "throttled-submits", slice, "250", budgets, 0, &lavapipe);
     ok &= run(self, "export-handoff", slice, NULL, budgets, 0, &lavapipe);
+    daemon_compute = "1";
+    ok &= run(self, "ledger-compute", slice, NULL, budgets, 0, &lavapipe);
+    daemon_compute = NULL;
     return ok;
 }
 
