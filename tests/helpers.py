@@ -145,7 +145,8 @@ class Daemon:
     async def http_url(self, timeout: float = 30.0) -> str:
         marker = "/metrics on http://"
         await self.wait_for_log(marker, timeout)
-        line = next(line for line in self.log().splitlines() if marker in line)
+        # The last: a daemon started again in the same directory logs into the same file.
+        line = [line for line in self.log().splitlines() if marker in line][-1]
         return "http://" + line.split(marker, 1)[1].strip()
 
     async def wait(self, timeout: float = 30.0) -> int:
