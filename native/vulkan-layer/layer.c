@@ -655,6 +655,9 @@ static void fill_budget(const struct physical *physical, const VkPhysicalDeviceM
     }
     uint32_t counted = counted_heaps(physical->type, memory);
     int slice = physical->slice->index;
+    /* The allocation's figures are on the ledger's page: an application may ask for them before it makes a device
+     * (as it sizes itself), when this process has not connected yet. */
+    ledger_open();
     /* The ledger's budget where it said one: it is the one held. */
     int64_t held_to = ledger_budget(slice, budget);
     if (held_to > 0 && held_to < budget) {
