@@ -56,7 +56,7 @@ struct record {
 struct duty {
     VkDevice device;
     struct duty_calls calls;
-    struct acct *acct;
+    _Atomic(struct ledger_shared_slice *) *record;
     int permille;
     int64_t bound;           /* the most GPU time uncharged in flight: AHEAD_NS times the share */
 
@@ -92,7 +92,7 @@ int64_t duty_now(void)
     return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 }
 
-/* a + b, held within int64 (a time from the file is the container's to write). */
+/* a + b, held within int64 (a time from the shared page is the allocation's processes' to write). */
 static int64_t add(int64_t a, int64_t b)
 {
     if (b > 0 && a > INT64_MAX - b) {
@@ -106,7 +106,7 @@ static int64_t add(int64_t a, int64_t b)
 
 static _Atomic int64_t *not_before(struct duty *duty)
 {
-    return &duty->acct->file->not_before_ns;
+    return &atomic_load(duty->record)->not_before_ns;
 }
 
 /* The slice may submit again once it has waited a batch's time over its share, from the batch's start (from base,
@@ -123,7 +123,7 @@ static void push_out(struct duty *duty, int64_t base_start, int64_t took)
     do {
         /* Time the slice did not use is not saved up: it starts from the batch's start at the latest. */
         int64_t base = current > base_start ? current : base_start;
-        next = add(base, cost); /* the file is the container's to write */
+        next = add(base, cost); /* the page is the allocation's processes' to write */
     } while (!atomic_compare_exchange_weak(shared, &current, next));
 }
 
@@ -253,9 +253,11 @@ static void *wait_for_batches(void *argument)
     return NULL;
 }
 
-struct duty *duty_create(VkDevice device, const struct duty_calls *calls, struct acct *acct, int permille)
+struct duty *duty_create(VkDevice device, const struct duty_calls *calls,
+                         _Atomic(struct ledger_shared_slice *) *record, int permille)
 {
-    if (permille <= 0 || permille >= 1000 || acct == NULL || acct->file == NULL || calls->QueueSubmit == NULL ||
+    if (permille <= 0 || permille >= 1000 || record == NULL || atomic_load(record) == NULL ||
+        calls->QueueSubmit == NULL ||
         calls->CreateFence == NULL || calls->DestroyFence == NULL || calls->WaitForFences == NULL ||
         calls->ResetFences == NULL) {
         return NULL;
@@ -266,7 +268,7 @@ struct duty *duty_create(VkDevice device, const struct duty_calls *calls, struct
     }
     duty->device = device;
     duty->calls = *calls;
-    duty->acct = acct;
+    duty->record = record;
     duty->permille = permille;
     duty->bound = AHEAD_NS * permille / 1000;
     pthread_mutex_init(&duty->lock, NULL);
@@ -313,7 +315,7 @@ int64_t duty_wait(struct duty *duty)
             int64_t began = duty_now();
             while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
             }
-            atomic_fetch_add(&duty->acct->file->waited_ns, duty_now() - began);
+            atomic_fetch_add(&atomic_load(duty->record)->waited_ns, duty_now() - began);
             released = until;
             continue;
         }
@@ -329,7 +331,7 @@ int64_t duty_wait(struct duty *duty)
         int64_t began = duty_now();
         pthread_cond_timedwait(&duty->charged, &duty->lock, &deadline);
         pthread_mutex_unlock(&duty->lock);
-        atomic_fetch_add(&duty->acct->file->waited_ns, duty_now() - began);
+        atomic_fetch_add(&atomic_load(duty->record)->waited_ns, duty_now() - began);
         released = 0;
     }
 }

@@ -12,7 +12,8 @@
  * waiting is held to its share as it goes, with no more than about 100 ms to pay at its end, instead of holding the
  * GPU for all of them and paying at its next submit. Both waits are for a time, never for a batch to end. A submit is
  * never refused, and work already queued is never stopped: there is no preemption. The time is kept in the slice's
- * accounting file, so every process of a container (and every container of a DRA claim) shares one duty cycle.
+ * record on the allocation's shared page (ledger.h), so every process of a container (and every container of a DRA
+ * claim) shares one duty cycle.
  *
  * Where the share is not held exactly: one batch is charged at most 10 s of GPU time (a batch seen to end late,
  * after a SIGSTOP, is not a debt); a batch is charged up to when the thread sees its end, which it sees a little late
@@ -30,7 +31,7 @@
 
 #include <vulkan/vulkan.h>
 
-#include "accounting.h"
+#include "ledger.h"
 
 struct duty_calls {
     PFN_vkQueueSubmit QueueSubmit;
@@ -42,8 +43,10 @@ struct duty_calls {
 
 struct duty;
 
-/* NULL where the duty cycle cannot run (no thread, no memory): the device is then not throttled. */
-struct duty *duty_create(VkDevice device, const struct duty_calls *calls, struct acct *acct, int permille);
+/* NULL where the duty cycle cannot run (no thread, no memory, no record): the device is then not throttled. record
+ * says where the slice's shared record lies; it is read again at each use (a reconnect to the ledger swaps it). */
+struct duty *duty_create(VkDevice device, const struct duty_calls *calls,
+                         _Atomic(struct ledger_shared_slice *) *record, int permille);
 /* Before a submit that carries work: wait until the slice may submit again. Returns the time the slice's share let
  * it go where it had to wait for that (else 0), for duty_track. */
 int64_t duty_wait(struct duty *duty);

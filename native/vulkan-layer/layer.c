@@ -4,21 +4,24 @@
  * - Only the container's GPUs are enumerated (matched by PCI bus address or device UUID).
  * - Every heap that counts is reported no larger than the budget; VK_EXT_memory_budget reports the budget (the
  *   layer adds the extension where the driver lacks it); maxMemoryAllocationSize and maxBufferSize are no larger.
- * - vkAllocateMemory reserves in the slice's shared accounting before it calls down, and returns
- *   VK_ERROR_OUT_OF_DEVICE_MEMORY once the container's processes together would pass the budget.
+ * - vkAllocateMemory reserves in the allocation's ledger, which the daemon keeps (ledger.h), before it calls down,
+ *   and returns VK_ERROR_OUT_OF_DEVICE_MEMORY once the allocation's processes together would pass the budget (or
+ *   once the daemon has been away for GPUPPETTI_VK_LEDGER_WAIT_MS). What a process holds is given back when it
+ *   ends, however it ends: the daemon sees its connection close.
  *
  * - With a compute share (dutycycle.h), vkQueueSubmit and vkQueueSubmit2 wait while the slice has used more than
  *   its share of the GPU's time, or while the process has more of it queued, not yet charged, than the share bounds.
  *
  * What counts: on a discrete GPU, the device-local heaps (VRAM, and a resizable-BAR heap beside it); on an
  * integrated GPU, a CPU (lavapipe) or a virtual GPU (Venus), where every heap is the same memory, all of them.
- * Imported memory (fd, dma-buf, host pointer) is someone else's and does not count.
  *
- * Memory that is exported (vkGetMemoryFdKHR) stays counted after it is freed, and after the exporting process exits,
- * for as long as the slice's accounting file lives: whoever holds its fd keeps it alive (accounting.h).
+ * Memory that is exported (vkGetMemoryFdKHR) is charged once, to the exported object, for as long as some process of
+ * the allocation holds a handle to it: its exporter until it frees it, and each process that imports it (an fd or a
+ * dma-buf) until it frees its own; the object is known by the exported file's st_dev and st_ino. Other imported
+ * memory (an object the ledger does not know, a host pointer) is someone else's and does not count.
  *
- * A forked child inherits its parent's records: memory its parent allocated stays its parent's, and the child freeing
- * its copy of the handle gives nothing back.
+ * A forked child inherits its parent's records but not its connection: memory its parent allocated stays its
+ * parent's, and the child freeing its copy of the handle gives nothing back.
  *
  * The layer never breaks an application: without its environment (slices.h) it passes every call through, except
  * that it answers for VK_EXT_memory_budget where the driver lacks it (the loader advertises the extension from the
@@ -37,9 +40,9 @@
 #include <vulkan/vk_layer.h>
 #include <vulkan/vulkan.h>
 
-#include "accounting.h"
 #include "dutycycle.h"
 #include "handles.h"
+#include "ledger.h"
 #include "slices.h"
 #include "spin.h"
 
@@ -99,6 +102,7 @@ struct device {
     PFN_vkGetMemoryFdKHR GetMemoryFdKHR;
     struct duty *duty;               /* NULL: not throttled */
     struct slice *slice;             /* NULL or budget 0: nothing to count */
+    int index;                       /* the slice's, in the ledger */
     uint32_t counted_heaps;          /* bit per heap whose allocations count */
     uint32_t type_heap[VK_MAX_MEMORY_TYPES];
 };
@@ -126,14 +130,28 @@ struct allocation {
     struct device *device;
     int64_t size;
     uint32_t heap;
-    unsigned forks; /* acct_forks() when it was allocated: another value, an ancestor's */
-    bool exported;  /* an fd was taken for it: it stays counted after it is freed */
+    unsigned forks; /* ledger_forks() when it was allocated: another value, an ancestor's */
+    bool keyed;     /* exported or imported: it holds the object key (its free lets go of it) */
+    struct ledger_key key;
 };
 
 /* Whether what an allocation counts is this process's to give back. */
 static bool ours(const struct allocation *entry)
 {
-    return !entry->exported && entry->forks == acct_forks();
+    return entry->forks == ledger_forks();
+}
+
+/* What an allocation of this process's held goes back: the object it holds, or its reservation. */
+static void give_back(struct device *device, const struct allocation *entry)
+{
+    if (!ours(entry)) {
+        return;
+    }
+    if (entry->keyed) {
+        ledger_unhold(entry->key);
+    } else {
+        ledger_release(device->index, entry->heap, entry->size);
+    }
 }
 
 static spin_t bucket_locks[BUCKETS];
@@ -147,7 +165,7 @@ static uint32_t bucket_of(uint64_t memory)
     return (uint32_t)(memory % BUCKETS);
 }
 
-static bool track(struct device *device, uint64_t memory, int64_t size, uint32_t heap)
+static bool track(struct device *device, uint64_t memory, int64_t size, uint32_t heap, const struct ledger_key *key)
 {
     struct allocation *entry = malloc(sizeof *entry);
     if (entry == NULL) {
@@ -157,8 +175,9 @@ static bool track(struct device *device, uint64_t memory, int64_t size, uint32_t
     entry->device = device;
     entry->size = size;
     entry->heap = heap;
-    entry->forks = acct_forks();
-    entry->exported = false;
+    entry->forks = ledger_forks();
+    entry->keyed = key != NULL;
+    entry->key = key != NULL ? *key : (struct ledger_key){0, 0};
     uint32_t bucket = bucket_of(memory);
     spin_lock(&bucket_locks[bucket]);
     entry->next = buckets[bucket];
@@ -183,24 +202,26 @@ static struct allocation *untrack(struct device *device, uint64_t memory)
     return found;
 }
 
-/* The first export of an allocation of this process's moves it to the slice's unowned count (accounting.h). */
-static void mark_exported(struct device *device, uint64_t memory)
+/* The first export of an allocation of this process's makes it an object of the ledger's (ledger.h): charged to the
+ * object, held by this process until it frees it. */
+static void mark_exported(struct device *device, uint64_t memory, struct ledger_key key)
 {
     uint32_t bucket = bucket_of(memory);
     spin_lock(&bucket_locks[bucket]);
     for (struct allocation *entry = buckets[bucket]; entry != NULL; entry = entry->next) {
         if (entry->memory == memory && entry->device == device) {
-            if (ours(entry)) {
-                acct_export(&device->slice->acct, entry->heap, entry->size);
+            /* The ledger is told under the bucket's lock: a free of the same memory cannot come in between. */
+            if (ours(entry) && !entry->keyed && ledger_export(device->index, entry->heap, entry->size, key)) {
+                entry->keyed = true;
+                entry->key = key;
             }
-            entry->exported = true;
             break;
         }
     }
     spin_unlock(&bucket_locks[bucket]);
 }
 
-/* What a device that is destroyed without freeing its memory still held (exported memory stays counted). */
+/* What a device that is destroyed without freeing its memory still held. */
 static void untrack_device(struct device *device)
 {
     for (uint32_t bucket = 0; bucket < BUCKETS; bucket++) {
@@ -210,9 +231,7 @@ static void untrack_device(struct device *device)
             struct allocation *entry = *link;
             if (entry->device == device) {
                 *link = entry->next;
-                if (ours(entry)) {
-                    acct_release(&device->slice->acct, entry->heap, entry->size);
-                }
+                give_back(device, entry);
                 free(entry);
             } else {
                 link = &entry->next;
@@ -384,7 +403,7 @@ static int64_t budget_of(const struct physical *physical)
 static uint32_t counted_heaps(VkPhysicalDeviceType type, const VkPhysicalDeviceMemoryProperties *memory)
 {
     uint32_t mask = 0;
-    for (uint32_t heap = 0; heap < memory->memoryHeapCount && heap < ACCT_HEAPS; heap++) {
+    for (uint32_t heap = 0; heap < memory->memoryHeapCount && heap < LEDGER_HEAPS; heap++) {
         bool local = (memory->memoryHeaps[heap].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0;
         if (local || type != VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU) {
             mask |= 1u << heap;
@@ -635,20 +654,32 @@ static void fill_budget(const struct physical *physical, const VkPhysicalDeviceM
         return;
     }
     uint32_t counted = counted_heaps(physical->type, memory);
-    struct acct *acct = &physical->slice->acct;
-    /* Applications size themselves by the budget: what killed processes held must not be in it. */
-    acct_reap(acct);
-    /* The file is the container's to write: whatever it holds, no arithmetic here overflows. */
-    int64_t total = acct_total(acct);
-    int64_t left = total < 0 ? budget : total >= budget ? 0 : budget - total;
+    int slice = physical->slice->index;
+    /* The allocation's figures are on the ledger's page: an application may ask for them before it makes a device
+     * (as it sizes itself), when this process has not connected yet. */
+    ledger_open();
+    /* The ledger's budget where it said one: it is the one held. */
+    int64_t held_to = ledger_budget(slice, budget);
+    if (held_to > 0 && held_to < budget) {
+        budget = held_to;
+    }
+    /* What this process freed is in the figures before they are read: an application that frees and then asks sees
+     * its memory free. */
+    ledger_sync(slice);
+    /* The shared page is the allocation's processes' to write: whatever it holds (read as >= 0), no arithmetic
+     * here overflows. */
+    int64_t total = ledger_total(slice);
+    /* This process's spare is counted there, yet its own to use: as free as memory no one holds. */
+    int64_t spare = ledger_spare(slice, LEDGER_HEAPS);
+    total = spare < total ? total - spare : 0;
+    int64_t left = total >= budget ? 0 : budget - total;
     for (uint32_t heap = 0; heap < memory->memoryHeapCount; heap++) {
         if (!(counted & (1u << heap))) {
             continue;
         }
-        int64_t used = acct_heap_usage(acct, heap);
-        if (used < 0) {
-            used = 0;
-        }
+        int64_t used = ledger_heap_usage(slice, heap);
+        int64_t heap_spare = ledger_spare(slice, heap);
+        used = heap_spare < used ? used - heap_spare : 0;
         VkDeviceSize allowed = (VkDeviceSize)used + (VkDeviceSize)left; /* both at most INT64_MAX: no wrap */
         if (allowed > memory->memoryHeaps[heap].size) {
             allowed = memory->memoryHeaps[heap].size;
@@ -843,7 +874,13 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
     device->QueueSubmit2 = (PFN_vkQueueSubmit2)gdpa(*out, "vkQueueSubmit2");
     device->QueueSubmit2KHR = (PFN_vkQueueSubmit2KHR)gdpa(*out, "vkQueueSubmit2KHR");
     device->GetMemoryFdKHR = (PFN_vkGetMemoryFdKHR)gdpa(*out, "vkGetMemoryFdKHR");
-    if (physical != NULL && physical->slice != NULL && physical->slice->compute < 1000) {
+    struct slice *slice = physical != NULL ? physical->slice : NULL;
+    if (slice != NULL && (slice->budget > 0 || slice->compute < 1000)) {
+        /* Before the first allocation and submit: the ledger's terms (the compute share among them) are known. */
+        ledger_open();
+    }
+    int compute = slice != NULL ? ledger_compute(slice->index, slice->compute) : 1000;
+    if (slice != NULL && compute < 1000) {
         struct duty_calls calls = {
             .QueueSubmit = device->QueueSubmit,
             .CreateFence = (PFN_vkCreateFence)gdpa(*out, "vkCreateFence"),
@@ -851,12 +888,13 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_CreateDevice(VkPhysicalDevice physic
             .WaitForFences = (PFN_vkWaitForFences)gdpa(*out, "vkWaitForFences"),
             .ResetFences = (PFN_vkResetFences)gdpa(*out, "vkResetFences"),
         };
-        device->duty = duty_create(*out, &calls, &physical->slice->acct, physical->slice->compute);
+        device->duty = duty_create(*out, &calls, ledger_record(slice->index), compute);
     }
     if (physical != NULL && physical->slice != NULL && physical->slice->budget > 0) {
         VkPhysicalDeviceMemoryProperties memory;
         instance->GetPhysicalDeviceMemoryProperties(physical_handle, &memory);
         device->slice = physical->slice;
+        device->index = physical->slice->index;
         device->counted_heaps = counted_heaps(physical->type, &memory);
         for (uint32_t type = 0; type < memory.memoryTypeCount; type++) {
             device->type_heap[type] = memory.memoryTypes[type].heapIndex;
@@ -892,15 +930,20 @@ static VKAPI_ATTR void VKAPI_CALL layer_DestroyDevice(VkDevice handle, const VkA
     destroy(handle, allocator);
 }
 
-/* Memory someone else allocated, brought in: it is not this container's to count. */
-static bool imported(const VkMemoryAllocateInfo *info)
+/* Memory brought in from elsewhere, not made here. An fd (opaque, or a dma-buf) may be an object the ledger knows (an
+ * export of the allocation's): *fd says which; other imports are someone else's, and not counted. */
+static bool imported(const VkMemoryAllocateInfo *info, int *fd_out)
 {
+    *fd_out = -1;
     for (const VkBaseInStructure *next = info->pNext; next != NULL; next = next->pNext) {
         switch ((int)next->sType) {
         case VK_STRUCTURE_TYPE_IMPORT_MEMORY_FD_INFO_KHR: {
             /* A handle type of 0 imports nothing. */
             const VkImportMemoryFdInfoKHR *fd = (const VkImportMemoryFdInfoKHR *)next;
-            if (fd->handleType != 0) return true;
+            if (fd->handleType != 0) {
+                *fd_out = fd->fd;
+                return true;
+            }
             break;
         }
         case VK_STRUCTURE_TYPE_IMPORT_MEMORY_HOST_POINTER_INFO_EXT: {
@@ -931,23 +974,44 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_AllocateMemory(VkDevice handle, cons
         return device->AllocateMemory(handle, info, allocator, out);
     }
     uint32_t heap = device->type_heap[info->memoryTypeIndex];
-    if (!(device->counted_heaps & (1u << heap)) || imported(info)) {
+    int fd = -1;
+    bool in = imported(info, &fd);
+    if (!(device->counted_heaps & (1u << heap)) || (in && fd < 0)) {
         return device->AllocateMemory(handle, info, allocator, out);
     }
     int64_t size = info->allocationSize > (VkDeviceSize)INT64_MAX ? INT64_MAX : (int64_t)info->allocationSize;
+    if (in) {
+        /* Known by its file, taken before the driver owns (and may close) the fd. */
+        struct ledger_key key;
+        if (!ledger_key_of(fd, &key)) {
+            return device->AllocateMemory(handle, info, allocator, out);
+        }
+        VkResult result = device->AllocateMemory(handle, info, allocator, out);
+        /* The allocation's own export is held by this process too until it frees this handle; anything else is
+         * someone else's memory. */
+        if (result == VK_SUCCESS && ledger_hold(device->index, heap, size, key) &&
+            !track(device, (uint64_t)(uintptr_t)*out, size, heap, &key)) {
+            /* Without a record the free could not let go of it: undo, as an import that failed. */
+            device->FreeMemory(handle, *out, allocator);
+            ledger_unhold(key);
+            *out = VK_NULL_HANDLE;
+            return VK_ERROR_OUT_OF_HOST_MEMORY;
+        }
+        return result;
+    }
     /* Reserve first, so that threads and processes racing for the last bytes cannot both have them. */
-    if (!acct_reserve(&device->slice->acct, device->slice->budget, heap, size)) {
+    if (!ledger_reserve(device->index, heap, size)) {
         return VK_ERROR_OUT_OF_DEVICE_MEMORY;
     }
     VkResult result = device->AllocateMemory(handle, info, allocator, out);
     if (result != VK_SUCCESS) {
-        acct_release(&device->slice->acct, heap, size);
+        ledger_release(device->index, heap, size);
         return result;
     }
-    if (!track(device, (uint64_t)(uintptr_t)*out, size, heap)) {
+    if (!track(device, (uint64_t)(uintptr_t)*out, size, heap, NULL)) {
         /* Without a record the free could not give it back: undo, as an allocation that failed. */
         device->FreeMemory(handle, *out, allocator);
-        acct_release(&device->slice->acct, heap, size);
+        ledger_release(device->index, heap, size);
         *out = VK_NULL_HANDLE;
         return VK_ERROR_OUT_OF_HOST_MEMORY;
     }
@@ -967,10 +1031,9 @@ static VKAPI_ATTR void VKAPI_CALL layer_FreeMemory(VkDevice handle, VkDeviceMemo
                                    ? untrack(device, (uint64_t)(uintptr_t)memory) : NULL;
     device->FreeMemory(handle, memory, allocator);
     if (entry != NULL) {
-        /* Exported memory lives on in whoever imported it (accounting.h); an ancestor's stays the ancestor's. */
-        if (ours(entry)) {
-            acct_release(&device->slice->acct, entry->heap, entry->size);
-        }
+        /* Exported or imported memory lets go of its object (whoever else holds it keeps it charged); an
+         * ancestor's stays the ancestor's. */
+        give_back(device, entry);
         free(entry);
     }
 }
@@ -983,8 +1046,9 @@ static VKAPI_ATTR VkResult VKAPI_CALL layer_GetMemoryFdKHR(VkDevice handle, cons
         return VK_ERROR_INITIALIZATION_FAILED;
     }
     VkResult result = device->GetMemoryFdKHR(handle, info, fd);
-    if (result == VK_SUCCESS && device->slice != NULL && info != NULL) {
-        mark_exported(device, (uint64_t)(uintptr_t)info->memory);
+    struct ledger_key key;
+    if (result == VK_SUCCESS && device->slice != NULL && info != NULL && fd != NULL && ledger_key_of(*fd, &key)) {
+        mark_exported(device, (uint64_t)(uintptr_t)info->memory, key);
     }
     return result;
 }

@@ -1,6 +1,8 @@
 #define _GNU_SOURCE
 #include "slices.h"
 
+#include "ledger.h"
+
 #include <errno.h>
 #include <limits.h>
 #include <stdatomic.h>
@@ -169,14 +171,7 @@ const struct slices *slices_get(void)
             if (!slices_parse_compute(compute, &parsed) && compute != NULL) {
                 say("GPUPPETTI_VK_COMPUTE", compute);
             }
-            const char *directory = getenv("GPUPPETTI_VK_ACCOUNTING");
-            for (int i = 0; i < parsed.count; i++) {
-                char path[4096];
-                int written = directory != NULL
-                    ? snprintf(path, sizeof path, "%s/slice-%d.acct", directory, i) : -1;
-                bool fits = written > 0 && written < (int)sizeof path;
-                acct_open(&parsed.items[i].acct, fits ? path : NULL, parsed.items[i].budget);
-            }
+            ledger_setup(&parsed);
         } else if (text != NULL) {
             say("GPUPPETTI_VK_SLICES", text);
         }

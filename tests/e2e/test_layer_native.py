@@ -1,7 +1,7 @@
 """The Vulkan layer tested in C: `make check` (the layer and a harness built with AddressSanitizer and UBSan, the
 layer installed as an implicit layer, driven through the real loader on lavapipe and on a fake driver whose GPUs,
-heaps and budgets each scenario sets) and `make fuzz` (its parsers of GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE and
-the accounting file, for a bounded time)."""
+heaps and budgets each scenario sets, with a ledger served by gpuppetti.layer.ledger) and `make fuzz` (its parsers of
+GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE and the ledger's answer to HELLO, for a bounded time)."""
 
 from __future__ import annotations
 
@@ -72,5 +72,5 @@ def test_the_parsers_survive_fuzzing(tmp_path: Path) -> None:
         pytest.skip(f"the layer's parsers cannot be fuzzed here: {reason}")
     result = make("fuzz", tmp_path, f"FUZZ_SECONDS={FUZZ_SECONDS}", timeout=240)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    for target in ("slices", "compute", "accounting"):
+    for target in ("slices", "compute", "hello"):
         assert f"fuzz-{target}: {FUZZ_SECONDS} s" in result.stdout

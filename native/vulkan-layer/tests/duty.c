@@ -29,8 +29,8 @@
 
 #include <vulkan/vulkan.h>
 
-#include "../accounting.h"
 #include "../dutycycle.h"
+#include "../ledger.h"
 #include "check.h"
 
 #define MS 1000000LL
@@ -288,8 +288,8 @@ static VKAPI_ATTR VkResult VKAPI_CALL sim_ResetFences(VkDevice device, uint32_t 
 /* -- a workload, as an application submits through the layer ------------------------------------------------------ */
 
 struct workload {
-    struct acct_file *file;
-    struct acct acct;
+    struct ledger_shared_slice *page;                 /* the slice's record, as on the shared page */
+    _Atomic(struct ledger_shared_slice *) record;   /* where the ledger says it lies */
     struct duty *duty;
     int64_t first;   /* its first submit */
     int submits;
@@ -300,15 +300,15 @@ static void workload_start(struct workload *work, int permille)
 {
     memset(work, 0, sizeof *work);
     gpu_start();
-    work->file = calloc(1, sizeof *work->file);
-    if (work->file == NULL) {
+    work->page = calloc(2, sizeof *work->page);
+    if (work->page == NULL) {
         abort();
     }
-    work->acct = (struct acct){.file = work->file, .fd = -1, .slot = ACCT_NO_SLOT};
+    atomic_store(&work->record, work->page);
     struct duty_calls calls = {.QueueSubmit = sim_QueueSubmit, .CreateFence = sim_CreateFence,
                                .DestroyFence = sim_DestroyFence, .WaitForFences = sim_WaitForFences,
                                .ResetFences = sim_ResetFences};
-    work->duty = duty_create((VkDevice)(void *)&gpu, &calls, &work->acct, permille);
+    work->duty = duty_create((VkDevice)(void *)&gpu, &calls, &work->record, permille);
     CHECK(work->duty != NULL, "duty_create with a share of %d", permille);
     if (work->duty == NULL) {
         exit(1);
@@ -352,7 +352,7 @@ static void workload_end(struct workload *work)
     gpu_stop();
     CHECK(atomic_load(&gpu.fences_made) == atomic_load(&gpu.fences_destroyed), "%d fences made, %d destroyed",
           atomic_load(&gpu.fences_made), atomic_load(&gpu.fences_destroyed));
-    free(work->file);
+    free(work->page);
 }
 
 static bool near(double got, double share)
@@ -510,7 +510,7 @@ static double pipelined_run(void)
         }
     }
     wait_idle();
-    double waited = atomic_load(&work.file->waited_ns) / 1e6;
+    double waited = atomic_load(&work.page->waited_ns) / 1e6;
     int batches = atomic_load(&gpu.batches);
     int64_t gaps = 0;
     for (int i = 1; i < batches && i < RUNS; i++) {
@@ -556,6 +556,27 @@ static void held_by_the_host(void)
     workload_end(&work);
 }
 
+/* A reconnect to the ledger swaps the slice's record for the new shared page's: the duty cycle follows it at once,
+ * and counts its waits there. */
+static void record_swapped(void)
+{
+    struct workload work;
+    workload_start(&work, 500);
+    struct ledger_shared_slice *fresh = &work.page[1];
+    atomic_store(&fresh->not_before_ns, duty_now() + 200 * MS);
+    atomic_store(&work.record, fresh);
+    int64_t began = duty_now();
+    submit(&work, MS, NULL, NULL);
+    int64_t waited = duty_now() - began;
+    wait_idle();
+    printf("    a submit after the swap waited %.0f ms\n", waited / 1e6);
+    CHECK(waited >= 190 * MS, "the submit waited %.0f ms, not the new record's 200", waited / 1e6);
+    CHECK(atomic_load(&fresh->waited_ns) >= 190 * MS && atomic_load(&work.page[0].waited_ns) == 0,
+          "the wait was counted in the old record (%lld ns), not the new (%lld ns)",
+          (long long)atomic_load(&work.page[0].waited_ns), (long long)atomic_load(&fresh->waited_ns));
+    workload_end(&work);
+}
+
 struct scenario {
     const char *name;
     void (*run)(void);
@@ -569,6 +590,7 @@ static const struct scenario scenarios[] = {
     {"many-short-batches", many_short_batches},
     {"pipelined-within-share", pipelined_within_share},
     {"held-by-the-host", held_by_the_host},
+    {"record-swapped", record_swapped},
 };
 
 int main(int argc, char **argv)

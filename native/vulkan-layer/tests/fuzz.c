@@ -1,5 +1,6 @@
-/* Fuzz targets for what the layer parses from outside: GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE, and the
- * accounting file (which the container can write). Built with AddressSanitizer and UBSan (make fuzz).
+/* Fuzz targets for what the layer parses from outside: GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE, and the ledger's
+ * answer to HELLO with the header of the shared page it hands over (which every process of the allocation can
+ * write). Built with AddressSanitizer and UBSan (make fuzz).
  *
  * With clang, libFuzzer drives LLVMFuzzerTestOneInput, coverage-guided. Without it, the main below does: random
  * mutations of a few valid inputs, for a bounded time (FUZZ_SECONDS, default 10), with a fixed seed per run
@@ -16,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../accounting.h"
+#include "../ledger.h"
 #include "../slices.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -67,51 +68,39 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(text);
     return 0;
 }
-#elif defined(FUZZ_ACCOUNTING)
-/* Any file content where the accounting file should be: opened, reserved from, released to and reaped, with no
- * crash and never more reserved than the budget. */
-static char path[] = "/tmp/gpuppetti-fuzz-acct-XXXXXX";
-
+#elif defined(FUZZ_HELLO)
+/* Any answer and page header, for one to eight slices: what parses has as many terms as slices, each budget >= 0 and
+ * each share within 0..1000; nothing is read past what was given. The input: the slice count, how long the answer
+ * is (as long as it should be, or a length of the input's), how large the page is, the answer, the page's start. */
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static bool named;
-    if (!named) {
-        int fd = mkstemp(path);
-        if (fd < 0) abort();
-        close(fd);
-        named = true;
-    }
-    int file = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (file < 0) abort();
-    /* The input is the file's start; its length is a page more or less than the layout, or the input's own. */
-    size_t length = size > 0 && data[0] % 2 == 1 ? ACCT_FILE_SIZE : size;
-    if (ftruncate(file, (off_t)length) != 0 || (size > 0 && pwrite(file, data, size, 0) < 0)) abort();
-    close(file);
-
-    struct acct acct;
-    const int64_t budget = 1 << 20;
-    acct_open(&acct, path, budget);
-    int64_t before = acct_total(&acct);
-    for (uint32_t heap = 0; heap < ACCT_HEAPS + 2; heap++) {
-        if (acct_reserve(&acct, budget, heap, 4096)) {
-            if (heap >= ACCT_HEAPS || acct_total(&acct) > budget) abort();
-            acct_release(&acct, heap, 4096);
+    if (size < 3) return 0;
+    int slices = 1 + data[0] % 8;
+    size_t expected = sizeof(struct ledger_answer) + (size_t)slices * sizeof(struct ledger_slice_terms);
+    size_t available = size - 3;
+    size_t length = data[1] % 2 == 0 ? expected : (size_t)data[1] / 2;
+    if (length > available) length = available;
+    int64_t page_size = data[2] % 4 == 0 ? LEDGER_SHARED_SIZE - 1 - data[2] : LEDGER_SHARED_SIZE;
+    /* Exactly as long as given, so that AddressSanitizer sees a read past it. */
+    uint8_t *answer = malloc(length ? length : 1);
+    struct ledger_shared *page = calloc(1, LEDGER_SHARED_SIZE);
+    if (answer == NULL || page == NULL) abort();
+    memcpy(answer, data + 3, length);
+    size_t header = available - length < 64 ? available - length : 64;
+    memcpy(page, data + 3 + length, header);
+    struct ledger_terms terms;
+    if (ledger_parse_hello(answer, length, page, page_size, slices, &terms)) {
+        if (terms.count != slices || length != expected || page_size < LEDGER_SHARED_SIZE) abort();
+        for (int i = 0; i < slices; i++) {
+            if (terms.budget[i] < 0 || terms.compute[i] < 0 || terms.compute[i] > 1000) abort();
         }
-        (void)acct_heap_usage(&acct, heap);
     }
-    acct_reap(&acct);
-    (void)before;
-    if (acct.fd >= 0) {
-        close(acct.fd);
-        munmap(acct.file, sizeof(struct acct_file));
-    } else if (acct.file != NULL) {
-        munmap(acct.file, sizeof(struct acct_file));
-    }
-    unlink(path);
+    free(answer);
+    free(page);
     return 0;
 }
 #else
-#error "define FUZZ_SLICES, FUZZ_COMPUTE or FUZZ_ACCOUNTING"
+#error "define FUZZ_SLICES, FUZZ_COMPUTE or FUZZ_HELLO"
 #endif
 
 #ifndef LIBFUZZER
@@ -123,8 +112,10 @@ static const struct {
 } seeds[] = {
     SEED("any=268435456"), SEED("pci:0000:03:00.0=1073741824,uuid:GPU-8b2e4c1a-0000-0000-0000-000000000000=0"),
     SEED("250,500"), SEED("1000"), SEED("uuid:8b2e4c1a8b2e4c1a8b2e4c1a8b2e4c1a=1"),
-    /* An accounting file's header ('G' is odd: the file is then as long as the layout), a budget, a total. */
-    SEED("GPPTVK01\x01\0\0\0\0\x01\0\0\0\0\x10\0\0\0\0\0\0\xf0\0\0\0\0\0\0"),
+    /* HELLO's answer for one slice (OK, one slice, a page of 20480 bytes; 256 MiB and a share of 250), and the
+     * page's header. */
+    SEED("\0\0\x01" "\0\0\0\0\x01\0\0\0\0\x50\0\0\0\0\0\0" "\0\0\0\x10\0\0\0\0\xfa\0\0\0\0\0\0\0"
+         "GPPTLD01\x01\0\0\0\x01\0\0\0"),
 };
 
 static uint64_t state;
@@ -146,7 +137,7 @@ int main(void)
     printf("fuzzing for %ld s, FUZZ_SEED=%llu\n", seconds, (unsigned long long)state);
     state |= 1;
     time_t end = time(NULL) + seconds;
-    uint8_t buffer[ACCT_FILE_SIZE + 64];
+    uint8_t buffer[4096];
     unsigned long runs = 0;
     while (time(NULL) < end) {
         for (int batch = 0; batch < 256; batch++, runs++) {

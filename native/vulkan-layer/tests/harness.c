@@ -10,31 +10,38 @@
  *
  * make check installs the layer as an implicit layer (XDG_DATA_HOME) and says where the drivers are:
  * HARNESS_LAVAPIPE (lavapipe's manifest; empty: its scenarios are skipped), HARNESS_FAKE_ICD (the fake driver's
- * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library). Exit status: 0 when every scenario passed, 1 otherwise; a
- * scenario that crashes or that a sanitizer stops is a failure.
+ * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library), and how to serve a ledger: the daemons' own code
+ * (python -m gpuppetti.layer.ledger serve), run by HARNESS_LEDGER_PYTHON with HARNESS_LEDGER_PATH as its PYTHONPATH,
+ * one ledger per scenario that has one. A scenario reads the ledger's figures as any process of the allocation
+ * can: through the shared page of a connection of its own that holds nothing. Exit status: 0 when every scenario
+ * passed, 1 otherwise; a scenario that crashes or that a sanitizer stops is a failure.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <stddef.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <vulkan/vulkan.h>
 
-#include "../accounting.h"
+#include "../ledger.h"
 #include "fake_icd.h"
 #include "check.h"
 
@@ -261,7 +268,11 @@ static void slice_edge(void)
     vkDestroyInstance(instance, NULL);
 }
 
-/* Memory exported as an fd and freed is still held by whoever has the fd: it stays counted. */
+/* Memory exported as an fd and imported again is one object, charged once, while either handle holds it. */
+static struct ledger_shared *observe(void);
+static int64_t total_becomes(int64_t expected);
+static int64_t total_after_a_while(void);
+
 static void exported_memory(void)
 {
     VkInstance instance = make_instance();
@@ -286,26 +297,33 @@ static void exported_memory(void)
     if (get_fd != NULL) {
         CHECK(get_fd(device, &info, &fd) == VK_SUCCESS && fd >= 0, "vkGetMemoryFdKHR");
     }
-    vkFreeMemory(device, memory, NULL);
-    /* The fd keeps the 200 MiB alive: another 200 MiB would pass the slice. */
+    VkImportMemoryFdInfoKHR import = {.sType = VK_STRUCTURE_TYPE_IMPORT_MEMORY_FD_INFO_KHR,
+                                      .handleType = VK_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD_BIT, .fd = fd};
+    VkDeviceMemory again = VK_NULL_HANDLE;
+    result = fd >= 0 ? allocate(device, 200 * MIB, &import, &again) : VK_ERROR_INVALID_EXTERNAL_HANDLE;
+    CHECK(result == VK_SUCCESS, "importing the exported memory: %d", result);
+    if (result != VK_SUCCESS && fd >= 0) {
+        close(fd);
+    }
+    int64_t total = total_after_a_while();
+    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB with the memory exported and imported",
+          (long long)(total / (int64_t)MIB));
     VkDeviceMemory more;
-    result = allocate(device, 200 * MIB, NULL, &more);
-    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "200 MiB more after an export was given: %d", result);
+    result = allocate(device, 100 * MIB, NULL, &more);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "100 MiB more beside the 200 MiB object: %d", result);
     if (result == VK_SUCCESS) {
         vkFreeMemory(device, more, NULL);
     }
-    /* Imported back, it is not counted twice: it was counted when it was made. */
-    if (fd >= 0) {
-        VkImportMemoryFdInfoKHR import = {.sType = VK_STRUCTURE_TYPE_IMPORT_MEMORY_FD_INFO_KHR,
-                                          .handleType = VK_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD_BIT, .fd = fd};
-        result = allocate(device, 200 * MIB, &import, &memory);
-        CHECK(result == VK_SUCCESS, "importing the exported memory: %d", result);
-        if (result == VK_SUCCESS) {
-            vkFreeMemory(device, memory, NULL);
-        } else {
-            close(fd);
-        }
+    /* The exporter's handle freed: the import still holds the object. */
+    vkFreeMemory(device, memory, NULL);
+    total = total_after_a_while();
+    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB with the import alone held",
+          (long long)(total / (int64_t)MIB));
+    if (again != VK_NULL_HANDLE) {
+        vkFreeMemory(device, again, NULL);
     }
+    total = total_becomes(0);
+    CHECK(total == 0, "total %lld once both handles were freed", (long long)total);
     vkDestroyDevice(device, NULL);
     vkDestroyInstance(instance, NULL);
 }
@@ -922,27 +940,158 @@ static void several_gpus(void)
     vkDestroyInstance(instance, NULL);
 }
 
-/* -- what forks, exports, reused handles and a full file do to the accounting ------------------------------------ */
-
-/* The slice's accounting file, as GPUPPETTI_VK_ACCOUNTING names it. */
-static void accounting_path(char *out, size_t size)
+static int64_t clock_ns(void)
 {
-    const char *directory = getenv("GPUPPETTI_VK_ACCOUNTING");
-    snprintf(out, size, "%s/slice-0.acct", directory != NULL ? directory : "/nonexistent");
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 }
 
-static int64_t file_field(size_t offset)
+static char temporary[] = "/tmp/gpuppetti-harness-XXXXXX";
+static char ledger_dir[sizeof temporary + 16];
+
+/* -- the ledger: the daemon's, served by python -m gpuppetti.layer.ledger for each scenario that has one ---------- */
+
+/* A socket's address; false where the path does not fit one. */
+static bool socket_address(const char *path, struct sockaddr_un *address)
 {
-    char path[512];
-    accounting_path(path, sizeof path);
-    int64_t value = -1;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    CHECK(fd >= 0 && pread(fd, &value, sizeof value, (off_t)offset) == (ssize_t)sizeof value, "reading %s", path);
+    memset(address, 0, sizeof *address);
+    address->sun_family = AF_UNIX;
+    if (path == NULL || strlen(path) >= sizeof address->sun_path) {
+        return false;
+    }
+    memcpy(address->sun_path, path, strlen(path) + 1);
+    return true;
+}
+
+/* The ledger's own view, as any process of the allocation sees it: its shared page, through a connection that holds
+ * nothing. */
+static struct ledger_shared *observe_at(const char *path)
+{
+    struct sockaddr_un address;
+    int fd = socket_address(path, &address) ? socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0) : -1;
+    struct ledger_request hello = {.op = LEDGER_HELLO, .size = LEDGER_VERSION};
+    struct ledger_answer answer;
+    char control[CMSG_SPACE(sizeof(int))];
+    struct iovec part = {.iov_base = &answer, .iov_len = sizeof answer};
+    struct msghdr message = {.msg_iov = &part, .msg_iovlen = 1, .msg_control = control,
+                             .msg_controllen = sizeof control};
+    int page = -1;
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&address, sizeof address) == 0 &&
+        send(fd, &hello, sizeof hello, MSG_NOSIGNAL) == (ssize_t)sizeof hello &&
+        recvmsg(fd, &message, MSG_WAITALL) == (ssize_t)sizeof answer && CMSG_FIRSTHDR(&message) != NULL) {
+        memcpy(&page, CMSG_DATA(CMSG_FIRSTHDR(&message)), sizeof page);
+    }
+    void *map = page >= 0 ? mmap(NULL, LEDGER_SHARED_SIZE, PROT_READ, MAP_SHARED, page, 0) : MAP_FAILED;
+    CHECK(map != MAP_FAILED, "the ledger at %s gave no page", path != NULL ? path : "(none)");
+    if (page >= 0) {
+        close(page);
+    }
     if (fd >= 0) {
         close(fd);
     }
-    return value;
+    return map != MAP_FAILED ? map : NULL;
 }
+
+static struct ledger_shared *observe(void)
+{
+    static struct ledger_shared *page;
+    if (page == NULL) {
+        page = observe_at(getenv("GPUPPETTI_VK_LEDGER"));
+    }
+    return page;
+}
+
+/* The slice's total as the ledger says it, once it is expected (one-way requests are taken in the daemon's time):
+ * the last figure seen within two seconds. */
+static int64_t total_on(struct ledger_shared *page, int64_t expected)
+{
+    int64_t total = -1;
+    for (int tries = 0; page != NULL && tries < 200; tries++) {
+        total = atomic_load(&page->slice[0].total);
+        if (total == expected) {
+            break;
+        }
+        usleep(10000);
+    }
+    return total;
+}
+
+static int64_t total_becomes(int64_t expected)
+{
+    return total_on(observe(), expected);
+}
+
+/* The total a while after something that must not change it. */
+static int64_t total_after_a_while(void)
+{
+    usleep(200000);
+    struct ledger_shared *page = observe();
+    return page != NULL ? atomic_load(&page->slice[0].total) : -1;
+}
+
+static bool accepts(const char *path)
+{
+    struct sockaddr_un address;
+    int fd = socket_address(path, &address) ? socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0) : -1;
+    bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&address, sizeof address) == 0;
+    if (fd >= 0) {
+        close(fd);
+    }
+    return ok;
+}
+
+/* A ledger served at DIRECTORY/ledger.sock with these budgets (and shares), once it accepts; -1 where it does not
+ * within ten seconds. HARNESS_LEDGER_PYTHON runs it, with HARNESS_LEDGER_PATH as its PYTHONPATH. */
+static pid_t ledger_start(const char *directory, const char *budgets, const char *compute)
+{
+    const char *python = getenv("HARNESS_LEDGER_PYTHON");
+    const char *path = getenv("HARNESS_LEDGER_PATH");
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (path != NULL && *path != '\0') setenv("PYTHONPATH", path, 1);
+        int null = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (null >= 0) dup2(null, STDOUT_FILENO);
+        const char *python_ = python != NULL && *python != '\0' ? python : "python3";
+        if (compute != NULL) {
+            execlp(python_, python_, "-m", "gpuppetti.layer.ledger", "serve", directory, "--budgets", budgets,
+                   "--compute", compute, (char *)NULL);
+        } else {
+            execlp(python_, python_, "-m", "gpuppetti.layer.ledger", "serve", directory, "--budgets", budgets,
+                   (char *)NULL);
+        }
+        _exit(127);
+    }
+    char socket_path[512];
+    snprintf(socket_path, sizeof socket_path, "%s/ledger.sock", directory);
+    for (int tries = 0; pid > 0 && tries < 500; tries++) {
+        if (accepts(socket_path)) {
+            return pid;
+        }
+        if (waitpid(pid, NULL, WNOHANG) == pid) {
+            break;
+        }
+        usleep(20000);
+    }
+    fprintf(stderr, "harness: no ledger served at %s (HARNESS_LEDGER_PYTHON=%s)\n", socket_path,
+            python != NULL ? python : "");
+    if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+    return -1;
+}
+
+static void ledger_stop(pid_t pid, int signal_number)
+{
+    if (pid > 0) {
+        kill(pid, signal_number);
+        waitpid(pid, NULL, 0);
+    }
+}
+
+/* -- what forks, exports, imports, reused handles and a daemon away do to the ledger ------------------------------ */
 
 /* A forked child that frees a handle its parent allocated frees its copy: the parent's memory stays counted. */
 static void fork_free(void)
@@ -961,7 +1110,7 @@ static void fork_free(void)
     int status = 0;
     waitpid(child, &status, 0);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child ended with status %d", status);
-    int64_t total = file_field(offsetof(struct acct_file, total));
+    int64_t total = total_after_a_while();
     CHECK(total == (int64_t)(100 * MIB), "total %lld after the child freed its copy", (long long)total);
     VkDeviceMemory more;
     result = allocate(device, 200 * MIB, NULL, &more);
@@ -970,8 +1119,117 @@ static void fork_free(void)
         vkFreeMemory(device, more, NULL);
     }
     vkFreeMemory(device, memory, NULL);
-    total = file_field(offsetof(struct acct_file, total));
-    CHECK(total == 0, "total %lld after the parent freed it", (long long)total);
+    /* A freed 100 MiB leaves at most LEDGER_SPARE_MAX with this process, for its next allocations. */
+    total = total_becomes(LEDGER_SPARE_MAX);
+    CHECK(total == LEDGER_SPARE_MAX, "total %lld after the parent freed it", (long long)total);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* A forked child has a connection of its own: when its parent is SIGKILLed, what the parent held is given back at
+ * once, and what the child holds stays. */
+static void fork_own_connection(void)
+{
+    int ready[2], done[2];
+    CHECK(pipe(ready) == 0 && pipe(done) == 0, "pipe");
+    fflush(NULL);
+    pid_t parent = fork();
+    if (parent == 0) {
+        close(ready[0]);
+        close(done[1]);
+        VkInstance instance = make_instance();
+        VkDevice device = make_device(first_gpu(instance), NULL, 0);
+        VkDeviceMemory memory;
+        if (allocate(device, 100 * MIB, NULL, &memory) != VK_SUCCESS) _exit(3);
+        fflush(NULL);
+        pid_t child = fork();
+        if (child == 0) {
+            VkDeviceMemory own;
+            char byte = allocate(device, 50 * MIB, NULL, &own) == VK_SUCCESS ? 'y' : 'n';
+            ssize_t wrote = write(ready[1], &byte, 1);
+            ssize_t got = read(done[0], &byte, 1); /* until the scenario closes it */
+            _exit(wrote == 1 && got >= 0 ? 0 : 1);
+        }
+        char byte = 'p';
+        if (write(ready[1], &byte, 1) != 1) _exit(4);
+        pause();
+        _exit(0);
+    }
+    close(ready[1]);
+    close(done[0]);
+    char bytes[2] = {0, 0};
+    CHECK(read(ready[0], &bytes[0], 1) == 1 && read(ready[0], &bytes[1], 1) == 1, "the parent and child are ready");
+    CHECK(memchr(bytes, 'y', 2) != NULL && memchr(bytes, 'p', 2) != NULL, "the child's 50 MiB was refused: %.2s",
+          bytes);
+    int64_t total = total_becomes((int64_t)(150 * MIB));
+    CHECK(total == (int64_t)(150 * MIB), "total %lld MiB with the parent's 100 and the child's 50",
+          (long long)(total / (int64_t)MIB));
+    kill(parent, SIGKILL);
+    waitpid(parent, NULL, 0);
+    total = total_becomes((int64_t)(50 * MIB));
+    CHECK(total == (int64_t)(50 * MIB), "total %lld MiB once the parent was killed, the child alive",
+          (long long)(total / (int64_t)MIB));
+    close(done[1]);
+    close(ready[0]);
+    total = total_becomes(0);
+    CHECK(total == 0, "total %lld once the child ended too", (long long)total);
+}
+
+/* Two processes share the slice to the byte: each gets its half, neither more; what one frees beyond its spare is
+ * the other's, and all of it once it ends. */
+static void shared_edge(void)
+{
+    const VkDeviceSize half = SLICE_MIB * MIB / 2;
+    int ready[2], go[2];
+    CHECK(pipe(ready) == 0 && pipe(go) == 0, "pipe");
+    fflush(NULL);
+    pid_t other = fork();
+    if (other == 0) {
+        close(ready[0]);
+        close(go[1]);
+        VkInstance instance = make_instance();
+        VkDevice device = make_device(first_gpu(instance), NULL, 0);
+        VkDeviceMemory memory;
+        char byte = allocate(device, half, NULL, &memory) == VK_SUCCESS ? 'y' : 'n';
+        if (write(ready[1], &byte, 1) != 1 || read(go[0], &byte, 1) != 1) _exit(1);
+        vkFreeMemory(device, memory, NULL);
+        byte = 'f';
+        if (write(ready[1], &byte, 1) != 1) _exit(1);
+        ssize_t got = read(go[0], &byte, 1); /* until the scenario closes it */
+        _exit(got >= 0 ? 0 : 1);
+    }
+    close(ready[1]);
+    close(go[0]);
+    char byte = 0;
+    CHECK(read(ready[0], &byte, 1) == 1 && byte == 'y', "the other process's half was refused");
+    VkInstance instance = make_instance();
+    VkPhysicalDevice physical = first_gpu(instance);
+    VkDevice device = device_with_budget(physical);
+    VkDeviceMemory mine, more;
+    CHECK(allocate(device, half, NULL, &mine) == VK_SUCCESS, "this process's half, to the slice's edge");
+    VkResult result = allocate(device, 1, NULL, &more);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "a byte past the edge: %d", result);
+    if (result == VK_SUCCESS) vkFreeMemory(device, more, NULL);
+    VkDeviceSize heap, budget, usage;
+    budget_of(physical, &heap, &budget, &usage);
+    CHECK(budget == SLICE_MIB * MIB && usage == SLICE_MIB * MIB, "budget %llu, usage %llu MiB at the edge",
+          (unsigned long long)(budget / MIB), (unsigned long long)(usage / MIB));
+    /* The other frees its half: it keeps its spare, the rest is this process's to take. */
+    CHECK(write(go[1], "g", 1) == 1 && read(ready[0], &byte, 1) == 1 && byte == 'f', "the other freed its half");
+    CHECK(total_becomes((int64_t)(half + LEDGER_SPARE_MAX)) == (int64_t)(half + LEDGER_SPARE_MAX),
+          "the other's spare is what it keeps");
+    result = allocate(device, half - LEDGER_SPARE_MAX, NULL, &more);
+    CHECK(result == VK_SUCCESS, "what the other gave back: %d", result);
+    VkDeviceMemory last;
+    result = allocate(device, LEDGER_SPARE_MAX, NULL, &last);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "the other's spare, while it lives: %d", result);
+    close(go[1]);
+    waitpid(other, NULL, 0);
+    close(ready[0]);
+    CHECK(total_becomes((int64_t)(SLICE_MIB * MIB) - LEDGER_SPARE_MAX) == (int64_t)(SLICE_MIB * MIB) - LEDGER_SPARE_MAX,
+          "the other ended: its spare is given back");
+    result = allocate(device, LEDGER_SPARE_MAX, NULL, &last);
+    CHECK(result == VK_SUCCESS, "the other's spare, once it ended: %d", result);
     vkDestroyDevice(device, NULL);
     vkDestroyInstance(instance, NULL);
 }
@@ -1003,26 +1261,54 @@ static void free_reuse(void)
         after_free(allocate_in_the_window);
         vkFreeMemory(reuse_device, first, NULL);
         CHECK(reuse_memory == first, "the driver did not hand the handle out again");
-        int64_t total = file_field(offsetof(struct acct_file, total));
-        CHECK(total == (int64_t)(32 * MIB), "total %lld MiB with the 32 MiB allocation alone held",
-              (long long)(total / (int64_t)MIB));
+        /* The 32 MiB were reserved before the 64 MiB were given back: the 64 MiB and the 32 MiB, then the 64 MiB
+         * given back but the spare. */
+        int64_t total = total_becomes((int64_t)(32 * MIB) + LEDGER_SPARE_MAX);
+        CHECK(total == (int64_t)(32 * MIB) + LEDGER_SPARE_MAX, "total %lld bytes with the 32 MiB allocation alone "
+              "held", (long long)total);
         vkFreeMemory(reuse_device, reuse_memory, NULL);
-        total = file_field(offsetof(struct acct_file, total));
-        CHECK(total == 0, "total %lld MiB after both were freed", (long long)(total / (int64_t)MIB));
+        total = total_becomes(LEDGER_SPARE_MAX);
+        CHECK(total == LEDGER_SPARE_MAX, "total %lld bytes after both were freed", (long long)total);
     }
     vkDestroyDevice(reuse_device, NULL);
     vkDestroyInstance(instance, NULL);
 }
 
-/* Exported memory whose fd outlives its exporter stays counted: four exporters of 200 MiB that each hand their fd to
- * a process that lives on get one 200 MiB between them under a 256 MiB slice, not four. */
+static int send_fd(int socket, int fd)
+{
+    char byte = 0;
+    struct iovec part = {.iov_base = &byte, .iov_len = 1};
+    char control[CMSG_SPACE(sizeof(int))];
+    memset(control, 0, sizeof control);
+    struct msghdr message = {.msg_iov = &part, .msg_iovlen = 1, .msg_control = control,
+                             .msg_controllen = sizeof control};
+    struct cmsghdr *header = CMSG_FIRSTHDR(&message);
+    header->cmsg_level = SOL_SOCKET;
+    header->cmsg_type = SCM_RIGHTS;
+    header->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(header), &fd, sizeof fd);
+    return sendmsg(socket, &message, 0) == 1 ? 0 : -1;
+}
+
+static int receive_fd(int socket)
+{
+    char byte;
+    char control[CMSG_SPACE(sizeof(int))];
+    struct iovec part = {.iov_base = &byte, .iov_len = 1};
+    struct msghdr message = {.msg_iov = &part, .msg_iovlen = 1, .msg_control = control,
+                             .msg_controllen = sizeof control};
+    int fd = -1;
+    if (recvmsg(socket, &message, 0) == 1 && CMSG_FIRSTHDR(&message) != NULL) {
+        memcpy(&fd, CMSG_DATA(CMSG_FIRSTHDR(&message)), sizeof fd);
+    }
+    return fd;
+}
+
+/* An exporter of 200 MiB that hands its fd over, frees its memory and ends: 0 where it did. */
 static int export_and_hand_over(int socket)
 {
     VkInstance instance = make_instance();
     VkPhysicalDevice physical = first_gpu(instance);
-    if (!has_device_extension(physical, VK_KHR_EXTERNAL_MEMORY_FD_EXTENSION_NAME, NULL)) {
-        return 4;
-    }
     const char *extensions[] = {VK_KHR_EXTERNAL_MEMORY_EXTENSION_NAME, VK_KHR_EXTERNAL_MEMORY_FD_EXTENSION_NAME};
     VkDevice device = make_device(physical, extensions, 2);
     PFN_vkGetMemoryFdKHR get_fd = (PFN_vkGetMemoryFdKHR)vkGetDeviceProcAddr(device, "vkGetMemoryFdKHR");
@@ -1035,21 +1321,12 @@ static int export_and_hand_over(int socket)
     VkMemoryGetFdInfoKHR info = {.sType = VK_STRUCTURE_TYPE_MEMORY_GET_FD_INFO_KHR, .memory = memory,
                                  .handleType = VK_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD_BIT};
     int fd = -1;
-    if (get_fd(device, &info, &fd) != VK_SUCCESS || fd < 0) {
+    if (get_fd(device, &info, &fd) != VK_SUCCESS || fd < 0 || send_fd(socket, fd) != 0) {
         return 5;
     }
-    char byte = 0;
-    struct iovec part = {.iov_base = &byte, .iov_len = 1};
-    char control[CMSG_SPACE(sizeof(int))];
-    memset(control, 0, sizeof control);
-    struct msghdr message = {.msg_iov = &part, .msg_iovlen = 1, .msg_control = control,
-                             .msg_controllen = sizeof control};
-    struct cmsghdr *header = CMSG_FIRSTHDR(&message);
-    header->cmsg_level = SOL_SOCKET;
-    header->cmsg_type = SCM_RIGHTS;
-    header->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(header), &fd, sizeof fd);
-    if (sendmsg(socket, &message, 0) != 1) {
+    close(fd);
+    char byte;
+    if (read(socket, &byte, 1) != 1) { /* until the importer holds it */
         return 6;
     }
     vkFreeMemory(device, memory, NULL);
@@ -1058,137 +1335,205 @@ static int export_and_hand_over(int socket)
     return failures == 0 ? 0 : 1;
 }
 
-static void exports_outlive(void)
+/* Exported memory is charged once, to its object, while any process of the allocation holds it: the exporter ends,
+ * the importer's handle keeps it charged; the importer frees it, and nothing is. */
+static void export_handoff(void)
 {
-    int kept[4];
-    int held = 0;
-    for (int round = 0; round < 4; round++) {
-        int sockets[2];
-        CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) == 0, "socketpair");
-        fflush(NULL);
-        pid_t child = fork();
-        if (child == 0) {
-            close(sockets[0]);
-            _exit(export_and_hand_over(sockets[1]));
-        }
-        close(sockets[1]);
-        int status = 0;
-        waitpid(child, &status, 0);
-        int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        if (code == 4) {
-            printf("%s: skipped: the driver has no VK_KHR_external_memory_fd\n", scenario_name);
-            close(sockets[0]);
-            return;
-        }
-        CHECK(code == (round == 0 ? 0 : 3), "round %d: the exporter ended with %d (0: given, 3: refused)", round,
-              code);
-        if (code == 0) {
-            char byte;
-            char control[CMSG_SPACE(sizeof(int))];
-            struct iovec part = {.iov_base = &byte, .iov_len = 1};
-            struct msghdr message = {.msg_iov = &part, .msg_iovlen = 1, .msg_control = control,
-                                     .msg_controllen = sizeof control};
-            if (recvmsg(sockets[0], &message, 0) == 1 && CMSG_FIRSTHDR(&message) != NULL) {
-                memcpy(&kept[held++], CMSG_DATA(CMSG_FIRSTHDR(&message)), sizeof(int));
-            }
-        }
+    VkInstance instance = make_instance();
+    VkPhysicalDevice physical = first_gpu(instance);
+    if (!has_device_extension(physical, VK_KHR_EXTERNAL_MEMORY_FD_EXTENSION_NAME, NULL)) {
+        printf("%s: skipped: the driver has no VK_KHR_external_memory_fd\n", scenario_name);
+        vkDestroyInstance(instance, NULL);
+        return;
+    }
+    int sockets[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) == 0, "socketpair");
+    fflush(NULL);
+    pid_t exporter = fork();
+    if (exporter == 0) {
         close(sockets[0]);
+        _exit(export_and_hand_over(sockets[1]));
     }
-    CHECK(held == 1, "%d exports held past their exporters", held);
-    int64_t total = file_field(offsetof(struct acct_file, total));
-    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB while the export is held", (long long)(total / (int64_t)MIB));
-    for (int i = 0; i < held; i++) {
-        close(kept[i]);
+    close(sockets[1]);
+    const char *extensions[] = {VK_KHR_EXTERNAL_MEMORY_EXTENSION_NAME, VK_KHR_EXTERNAL_MEMORY_FD_EXTENSION_NAME};
+    VkDevice device = make_device(physical, extensions, 2);
+    int fd = receive_fd(sockets[0]);
+    CHECK(fd >= 0, "no fd from the exporter");
+    VkImportMemoryFdInfoKHR import = {.sType = VK_STRUCTURE_TYPE_IMPORT_MEMORY_FD_INFO_KHR,
+                                      .handleType = VK_EXTERNAL_MEMORY_HANDLE_TYPE_OPAQUE_FD_BIT, .fd = fd};
+    VkDeviceMemory imported = VK_NULL_HANDLE;
+    VkResult result = fd >= 0 ? allocate(device, 200 * MIB, &import, &imported) : VK_ERROR_INVALID_EXTERNAL_HANDLE;
+    CHECK(result == VK_SUCCESS, "importing the exporter's memory: %d", result);
+    if (result != VK_SUCCESS && fd >= 0) {
+        close(fd);
     }
+    CHECK(write(sockets[0], "h", 1) == 1, "telling the exporter");
+    int status = 0;
+    waitpid(exporter, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the exporter ended with %d", status);
+    close(sockets[0]);
+    int64_t total = total_after_a_while();
+    CHECK(total == (int64_t)(200 * MIB), "total %lld MiB with the exporter gone, the import held",
+          (long long)(total / (int64_t)MIB));
+    VkDeviceMemory more;
+    result = allocate(device, 100 * MIB, NULL, &more);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "100 MiB more beside the held 200 MiB: %d", result);
+    if (result == VK_SUCCESS) vkFreeMemory(device, more, NULL);
+    if (imported != VK_NULL_HANDLE) vkFreeMemory(device, imported, NULL);
+    total = total_becomes(0);
+    CHECK(total == 0, "total %lld once the importer freed it", (long long)total);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
 }
 
-/* More processes than slots: the one that shares a slot keeps its memory counted when the slot's owner dies. */
-static void slots_past_256(void)
+/* The daemon killed mid-run: a free goes on at once; an allocation waits GPUPPETTI_VK_LEDGER_WAIT_MS and is refused.
+ * A new daemon is told what the process holds as soon as it is there, before any allocation, and allocations work
+ * again. */
+static void ledger_away(void)
 {
-    char path[512];
-    accounting_path(path, sizeof path);
-    int ready[2], go[2];
-    CHECK(pipe(ready) == 0 && pipe(go) == 0, "pipe");
-    pid_t owners[ACCT_SLOTS];
-    for (int i = 0; i < ACCT_SLOTS; i++) {
-        fflush(NULL);
-        owners[i] = fork();
-        if (owners[i] == 0) {
-            close(ready[0]);
-            close(go[1]);
-            struct acct acct;
-            acct_open(&acct, path, (int64_t)(SLICE_MIB * MIB));
-            char byte = acct.slot >= 0 && acct_reserve(&acct, (int64_t)(SLICE_MIB * MIB), 0, 1) ? 'y' : 'n';
-            ssize_t wrote = write(ready[1], &byte, 1);
-            ssize_t got = read(go[0], &byte, 1); /* until the scenario ends: it closes go */
-            _exit(wrote == 1 && got >= 0 ? 0 : 1);
-        }
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkDeviceMemory kept, freed, late;
+    CHECK(allocate(device, 64 * MIB, NULL, &kept) == VK_SUCCESS, "64 MiB");
+    CHECK(allocate(device, 16 * MIB, NULL, &freed) == VK_SUCCESS, "16 MiB");
+    pid_t daemon = (pid_t)atoi(getenv("HARNESS_LEDGER_PID") != NULL ? getenv("HARNESS_LEDGER_PID") : "0");
+    CHECK(daemon > 0, "no HARNESS_LEDGER_PID");
+    if (daemon <= 0) return;
+    kill(daemon, SIGKILL);
+    usleep(100000);
+    int64_t began = clock_ns();
+    vkFreeMemory(device, freed, NULL);
+    int64_t took = clock_ns() - began;
+    CHECK(took < 50000000, "a free waited %lld ms for the daemon", (long long)(took / 1000000));
+    began = clock_ns();
+    VkResult result = allocate(device, 16 * MIB, NULL, &late);
+    int64_t waited = clock_ns() - began;
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "an allocation while the daemon is away: %d", result);
+    CHECK(waited >= 300000000 && waited < 5000000000, "it waited %lld ms (GPUPPETTI_VK_LEDGER_WAIT_MS=300)",
+          (long long)(waited / 1000000));
+    if (result == VK_SUCCESS) vkFreeMemory(device, late, NULL);
+    char directory[512];
+    snprintf(directory, sizeof directory, "%s", getenv("GPUPPETTI_VK_LEDGER"));
+    char *slash = strrchr(directory, '/');
+    if (slash != NULL) *slash = '\0';
+    pid_t again = ledger_start(directory, getenv("HARNESS_LEDGER_BUDGETS"), NULL);
+    CHECK(again > 0, "a new daemon");
+    /* The new daemon knows the 64 MiB held from before it, not the spare the old one had. */
+    struct ledger_shared *page = observe_at(getenv("GPUPPETTI_VK_LEDGER"));
+    int64_t total = total_on(page, (int64_t)(64 * MIB));
+    CHECK(total == (int64_t)(64 * MIB), "the new daemon's total %lld MiB before any allocation",
+          (long long)(total / (int64_t)MIB));
+    result = allocate(device, 16 * MIB, NULL, &late);
+    CHECK(result == VK_SUCCESS, "an allocation once a new daemon answers: %d", result);
+    total = total_on(page, (int64_t)(80 * MIB));
+    CHECK(total == (int64_t)(80 * MIB), "the new daemon's total %lld MiB", (long long)(total / (int64_t)MIB));
+    VkDeviceMemory past;
+    result = allocate(device, 200 * MIB, NULL, &past);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "200 MiB more past the new daemon's budget: %d", result);
+    if (result == VK_SUCCESS) vkFreeMemory(device, past, NULL);
+    vkFreeMemory(device, late, NULL);
+    vkFreeMemory(device, kept, NULL);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+    ledger_stop(again, SIGTERM);
+}
+
+/* Without a ledger, each process is held to the slice's budget alone: another's memory is not in its count. */
+static void held_alone(void)
+{
+    int ready[2];
+    CHECK(pipe(ready) == 0, "pipe");
+    fflush(NULL);
+    pid_t other = fork();
+    if (other == 0) {
+        close(ready[0]);
+        VkInstance instance = make_instance();
+        VkDevice device = make_device(first_gpu(instance), NULL, 0);
+        VkDeviceMemory memory;
+        char byte = allocate(device, 200 * MIB, NULL, &memory) == VK_SUCCESS ? 'y' : 'n';
+        if (write(ready[1], &byte, 1) != 1) _exit(1);
+        pause();
+        _exit(0);
     }
     close(ready[1]);
-    close(go[0]);
-    int claimed = 0;
-    for (int i = 0; i < ACCT_SLOTS; i++) {
-        char byte = 0;
-        claimed += read(ready[0], &byte, 1) == 1 && byte == 'y';
-    }
-    CHECK(claimed == ACCT_SLOTS, "%d of %d processes claimed a slot", claimed, ACCT_SLOTS);
-    struct acct late;
-    acct_open(&late, path, (int64_t)(SLICE_MIB * MIB));
-    CHECK(acct_reserve(&late, (int64_t)(SLICE_MIB * MIB), 0, 10 * (int64_t)MIB), "reserving 10 MiB, 257th");
-    /* Every owner dies; a newcomer reaps what they held. */
-    for (int i = 0; i < ACCT_SLOTS; i++) {
-        kill(owners[i], SIGKILL);
-        waitpid(owners[i], NULL, 0);
-    }
-    close(go[1]);
+    char byte = 0;
+    CHECK(read(ready[0], &byte, 1) == 1 && byte == 'y', "the other process's 200 MiB was refused");
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkDeviceMemory mine, more;
+    VkResult result = allocate(device, 200 * MIB, NULL, &mine);
+    CHECK(result == VK_SUCCESS, "200 MiB beside the other's 200 MiB: %d", result);
+    result = allocate(device, 100 * MIB, NULL, &more);
+    CHECK(result == VK_ERROR_OUT_OF_DEVICE_MEMORY, "100 MiB more past this process's 256 MiB: %d", result);
+    kill(other, SIGKILL);
+    waitpid(other, NULL, 0);
     close(ready[0]);
-    fflush(NULL);
-    pid_t newcomer = fork();
-    if (newcomer == 0) {
-        struct acct acct;
-        acct_open(&acct, path, (int64_t)(SLICE_MIB * MIB));
-        _exit(acct_reap(&acct) >= 0 ? 0 : 1);
-    }
-    waitpid(newcomer, NULL, 0);
-    /* The 257th's 10 MiB, and at most the byte of the owner it shared a slot with: that slot is emptied only when
-     * both are gone (more, never less). */
-    int64_t total = acct_total(&late);
-    CHECK(total >= 10 * (int64_t)MIB && total <= 10 * (int64_t)MIB + 1, "total %lld bytes with the 257th's 10 MiB "
-          "alone live", (long long)total);
-    acct_release(&late, 0, 10 * (int64_t)MIB);
-    total = acct_total(&late);
-    CHECK(total >= 0 && total <= 1, "total %lld after it was given back", (long long)total);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
 }
 
-/* Where mmap fails (no memory left), each slice still has counts of its own: the harness links accounting.c with
- * mmap wrapped, so that this scenario can make an anonymous mapping fail. */
-void *__real_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset);
-void *__wrap_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset);
-static bool anonymous_maps_fail;
-
-void *__wrap_mmap(void *address, size_t length, int protection, int flags, int fd, off_t offset)
+/* A socket that answers HELLO with what is not a ledger's answer: said once, and the process is held alone. */
+static void *answer_garbage(void *listener)
 {
-    if (anonymous_maps_fail && (flags & MAP_ANONYMOUS) != 0) {
-        errno = ENOMEM;
-        return MAP_FAILED;
+    int client = accept(*(int *)listener, NULL, NULL);
+    if (client >= 0) {
+        char request[sizeof(struct ledger_request)];
+        ssize_t got = recv(client, request, sizeof request, MSG_WAITALL);
+        struct ledger_answer answer = {.status = LEDGER_OK, .count = 7, .value = 1};
+        if (got == (ssize_t)sizeof request) {
+            send(client, &answer, sizeof answer, MSG_NOSIGNAL);
+        }
+        close(client);
     }
-    return __real_mmap(address, length, protection, flags, fd, offset);
+    return NULL;
 }
 
-static void private_fallbacks(void)
+static void ledger_garbage(void)
 {
-    anonymous_maps_fail = true;
-    struct acct small, large;
-    acct_open(&small, NULL, 100 * (int64_t)MIB);
-    acct_open(&large, NULL, 200 * (int64_t)MIB);
-    anonymous_maps_fail = false;
-    CHECK(acct_reserve(&small, 100 * (int64_t)MIB, 0, 80 * (int64_t)MIB), "80 MiB of a 100 MiB slice");
-    CHECK(acct_reserve(&large, 200 * (int64_t)MIB, 0, 150 * (int64_t)MIB), "150 MiB of a 200 MiB slice, beside it");
-    CHECK(acct_total(&small) == 80 * (int64_t)MIB && acct_total(&large) == 150 * (int64_t)MIB,
-          "totals %lld and %lld MiB", (long long)(acct_total(&small) / (int64_t)MIB),
-          (long long)(acct_total(&large) / (int64_t)MIB));
-    CHECK(small.file != large.file && small.file != NULL && small.file->budget == 100 * (int64_t)MIB,
-          "the slices share their counts");
+    char path[sizeof temporary + 32];
+    snprintf(path, sizeof path, "%s/garbage.sock", getenv("HARNESS_TEMPORARY"));
+    struct sockaddr_un address;
+    int listener = socket_address(path, &address) ? socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0) : -1;
+    unlink(path);
+    CHECK(listener >= 0 && bind(listener, (struct sockaddr *)&address, sizeof address) == 0 &&
+          listen(listener, 4) == 0, "a socket at %s", path);
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, answer_garbage, &listener) == 0, "pthread_create");
+    setenv("GPUPPETTI_VK_LEDGER", path, 1);
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkDeviceMemory held[64];
+    VkResult refusal;
+    VkDeviceSize obtained = fill(device, 16 * MIB, &refusal, held, 64);
+    CHECK(refusal == VK_ERROR_OUT_OF_DEVICE_MEMORY && obtained == SLICE_MIB * MIB, "%llu MiB, then %d",
+          (unsigned long long)(obtained / MIB), refusal);
+    free_held(device, held, 64);
+    pthread_join(thread, NULL);
+    close(listener);
+    unlink(path);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
+}
+
+/* The compute share is the ledger's, whatever the environment says: with none there, a share of a thousandth from the
+ * ledger holds the submits back, and their wait shows on the shared page. */
+static void compute_from_the_ledger(void)
+{
+    VkInstance instance = make_instance();
+    VkDevice device = make_device(first_gpu(instance), NULL, 0);
+    VkQueue queue;
+    vkGetDeviceQueue(device, 0, 0, &queue);
+    VkSubmitInfo submit = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO};
+    for (int i = 0; i < 5; i++) {
+        VkResult result = vkQueueSubmit(queue, 1, &submit, VK_NULL_HANDLE);
+        CHECK(result == VK_SUCCESS, "submit %d: %d", i, result);
+        CHECK(vkQueueWaitIdle(queue) == VK_SUCCESS, "vkQueueWaitIdle");
+    }
+    struct ledger_shared *page = observe();
+    int64_t waited = page != NULL ? atomic_load(&page->slice[0].waited_ns) : -1;
+    CHECK(waited > 0, "the submits waited %lld ns under the ledger's share", (long long)waited);
+    vkDestroyDevice(device, NULL);
+    vkDestroyInstance(instance, NULL);
 }
 
 /* -- running them ---------------------------------------------------------------------------------------------- */
@@ -1206,32 +1551,15 @@ static const struct scenario scenarios[] = {
     {"fake-pass-through", fake_pass_through}, {"fake-own-budget", fake_own_budget},
     {"fake-discrete-slice", fake_discrete_slice}, {"fake-integrated-slice", fake_integrated_slice},
     {"fake-refuses-typos", fake_refuses_typos},
-    {"fork-free", fork_free},                 {"free-reuse", free_reuse},
-    {"exports-outlive", exports_outlive},     {"slots-past-256", slots_past_256},
-    {"private-fallbacks", private_fallbacks},
+    {"fork-free", fork_free},                 {"fork-own-connection", fork_own_connection},
+    {"shared-edge", shared_edge},             {"free-reuse", free_reuse},
+    {"export-handoff", export_handoff},       {"ledger-away", ledger_away},
+    {"held-alone", held_alone},               {"ledger-garbage", ledger_garbage},
+    {"ledger-compute", compute_from_the_ledger},
 };
 
-static char accounting_dir[] = "/tmp/gpuppetti-harness-XXXXXX";
-
-/* A slice's accounting file, as the daemons write it (src/gpuppetti/node/vulkanlayer.py). */
-static void make_accounting(void)
-{
-    char path[sizeof accounting_dir + 32];
-    snprintf(path, sizeof path, "%s/slice-0.acct", accounting_dir);
-    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-    struct {
-        char magic[8];
-        uint32_t version, slots;
-        int64_t budget;
-    } header = {.version = ACCT_VERSION, .slots = ACCT_SLOTS, .budget = (int64_t)(SLICE_MIB * MIB)};
-    memcpy(header.magic, ACCT_MAGIC, sizeof header.magic);
-    if (fd < 0 || pwrite(fd, &header, sizeof header, 0) != (ssize_t)sizeof header ||
-        ftruncate(fd, ACCT_FILE_SIZE) != 0) {
-        perror("harness: the accounting file");
-        exit(1);
-    }
-    close(fd);
-}
+/* The shares the next ledger is served with, where they are not the environment's. */
+static const char *daemon_compute;
 
 /* The driver a scenario runs on: lavapipe, or the fake driver with its settings. */
 struct driver {
@@ -1243,19 +1571,30 @@ static const char *const fake_settings[] = {"FAKE_ICD_GPUS", "FAKE_ICD_TYPE", "F
                                             "FAKE_ICD_ELSEWHERE", "FAKE_ICD_PCI", "FAKE_ICD_VENDOR",
                                             "FAKE_ICD_DEVICE", "FAKE_ICD_REUSE"};
 
-/* Start one scenario in a process of its own with these settings, on that driver. */
-static pid_t start(const char *self, const char *name, const char *slices, const char *compute, bool accounting,
-                   const struct driver *driver)
+/* Start one scenario in a process of its own with these settings, on that driver, and the ledger (served by the
+ * process daemon, with these budgets) where it has one. */
+static pid_t start(const char *self, const char *name, const char *slices, const char *compute, pid_t daemon,
+                   const char *budgets, const struct driver *driver)
 {
     fflush(stdout);
     pid_t child = fork();
     if (child == 0) {
         unsetenv("GPUPPETTI_VK_SLICES");
         unsetenv("GPUPPETTI_VK_COMPUTE");
-        unsetenv("GPUPPETTI_VK_ACCOUNTING");
+        unsetenv("GPUPPETTI_VK_LEDGER");
+        unsetenv("GPUPPETTI_VK_LEDGER_WAIT_MS");
         if (slices != NULL) setenv("GPUPPETTI_VK_SLICES", slices, 1);
         if (compute != NULL) setenv("GPUPPETTI_VK_COMPUTE", compute, 1);
-        if (accounting) setenv("GPUPPETTI_VK_ACCOUNTING", accounting_dir, 1);
+        if (daemon > 0) {
+            char socket_path[sizeof ledger_dir + 16], pid[32];
+            snprintf(socket_path, sizeof socket_path, "%s/ledger.sock", ledger_dir);
+            snprintf(pid, sizeof pid, "%d", (int)daemon);
+            setenv("GPUPPETTI_VK_LEDGER", socket_path, 1);
+            /* Short, so that the scenario where the daemon is away does not wait for long. */
+            setenv("GPUPPETTI_VK_LEDGER_WAIT_MS", "300", 1);
+            setenv("HARNESS_LEDGER_PID", pid, 1);
+            setenv("HARNESS_LEDGER_BUDGETS", budgets, 1);
+        }
         /* That driver and no other: VK_DRIVER_FILES for a newer loader, VK_ICD_FILENAMES for an older one. */
         setenv("VK_DRIVER_FILES", driver->manifest, 1);
         setenv("VK_ICD_FILENAMES", driver->manifest, 1);
@@ -1302,70 +1641,96 @@ static void report(const char *name, const char *slices, const struct driver *dr
     printf("%-22s %-56s %-6s %s\n", name, slices != NULL ? slices : "(no slice)", ok ? "ok" : "FAILED", described);
 }
 
-/* Run one scenario in a process of its own with these settings; whether it ended as expected. */
-static bool run(const char *self, const char *name, const char *slices, const char *compute, bool accounting,
+/* Run one scenario in a process of its own with these settings, with a ledger of these budgets (NULL: none);
+ * whether it ended as expected. */
+static bool run(const char *self, const char *name, const char *slices, const char *compute, const char *budgets,
                 int expect_signal, const struct driver *driver)
 {
-    pid_t child = start(self, name, slices, compute, accounting, driver);
-    int status = 0;
-    waitpid(child, &status, 0);
-    bool ok = expect_signal != 0 ? WIFSIGNALED(status) && WTERMSIG(status) == expect_signal
-                                 : WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    report(name, slices, driver, ok);
-    if (!ok && WIFSIGNALED(status)) {
-        printf("    killed by signal %d\n", WTERMSIG(status));
+    const char *shares = daemon_compute != NULL ? daemon_compute : compute;
+    pid_t daemon = budgets != NULL ? ledger_start(ledger_dir, budgets, shares) : 0;
+    bool ok = daemon >= 0;
+    if (ok) {
+        pid_t child = start(self, name, slices, compute, daemon, budgets, driver);
+        int status = 0;
+        waitpid(child, &status, 0);
+        ok = expect_signal != 0 ? WIFSIGNALED(status) && WTERMSIG(status) == expect_signal
+                                : WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && WIFSIGNALED(status)) {
+            printf("    killed by signal %d\n", WTERMSIG(status));
+        }
     }
+    ledger_stop(daemon, SIGTERM);
+    report(name, slices, driver, ok);
     return ok;
 }
 
-/* Two processes hold 100 MiB each of one slice, and are SIGKILLed. */
-static bool killed_holders(const char *self, const char *slice, const struct driver *driver)
+/* Two processes hold 100 MiB each of one slice and are SIGKILLed: the ledger gives it back at once, and a process
+ * after them sees the whole budget. */
+static bool killed_holders(const char *self, const char *slice, const char *budgets, const struct driver *driver)
 {
+    pid_t daemon = ledger_start(ledger_dir, budgets, NULL);
+    if (daemon < 0) {
+        report("hold (two, SIGKILLed)", slice, driver, false);
+        return false;
+    }
+    char socket_path[sizeof ledger_dir + 16];
+    snprintf(socket_path, sizeof socket_path, "%s/ledger.sock", ledger_dir);
+    struct ledger_shared *page = observe_at(socket_path);
     pid_t holders[2];
     for (int i = 0; i < 2; i++) {
-        holders[i] = start(self, "hold", slice, NULL, true, driver);
+        holders[i] = start(self, "hold", slice, NULL, daemon, budgets, driver);
     }
-    char path[sizeof accounting_dir + 32];
-    snprintf(path, sizeof path, "%s/slice-0.acct", accounting_dir);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
     int64_t total = 0;
-    for (int tries = 0; tries < 600 && total < (int64_t)(200 * MIB); tries++) {
-        if (pread(fd, &total, sizeof total, offsetof(struct acct_file, total)) != (ssize_t)sizeof total) {
-            break;
-        }
+    for (int tries = 0; page != NULL && tries < 600 && total < (int64_t)(200 * MIB); tries++) {
+        total = atomic_load(&page->slice[0].total);
         usleep(50000);
     }
-    close(fd);
     bool ok = total == (int64_t)(200 * MIB);
     for (int i = 0; i < 2; i++) {
         kill(holders[i], SIGKILL);
         waitpid(holders[i], NULL, 0);
     }
+    /* At once: as soon as the daemon sees their connections close (within two seconds on a busy machine). */
+    for (int tries = 0; page != NULL && tries < 200 && total != 0; tries++) {
+        usleep(10000);
+        total = atomic_load(&page->slice[0].total);
+    }
+    ok &= total == 0;
     report("hold (two, SIGKILLed)", slice, driver, ok);
-    return ok;
+    pid_t after = start(self, "budget-after-kills", slice, NULL, daemon, budgets, driver);
+    int status = 0;
+    waitpid(after, &status, 0);
+    bool after_ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    report("budget-after-kills", slice, driver, after_ok);
+    ledger_stop(daemon, SIGTERM);
+    if (page != NULL) {
+        munmap(page, LEDGER_SHARED_SIZE);
+    }
+    return ok && after_ok;
 }
 
 static bool on_lavapipe(const char *self, const char *manifest)
 {
     const struct driver lavapipe = {.manifest = manifest};
-    char slice[64];
+    char slice[64], budgets[32];
     snprintf(slice, sizeof slice, "any=%llu", (unsigned long long)(SLICE_MIB * MIB));
+    snprintf(budgets, sizeof budgets, "%llu", (unsigned long long)(SLICE_MIB * MIB));
     bool ok = true;
-    ok &= run(self, "many-instances", NULL, NULL, false, 0, &lavapipe);
-    ok &= run(self, "many-instances", slice, NULL, false, 0, &lavapipe);
-    ok &= run(self, "many-devices", NULL, NULL, false, 0, &lavapipe);
-    ok &= run(self, "many-devices", slice, NULL, true, 0, &lavapipe);
-    ok &= run(self, "pass-through-budget", NULL, NULL, false, 0, &lavapipe);
-    ok &= run(self, "pass-through-budget", "not a slice", NULL, false, 0, &lavapipe);
-    ok &= run(self, "slice-edge", slice, NULL, true, 0, &lavapipe);
-    ok &= run(self, "slice-edge", slice, NULL, false, 0, &lavapipe);
-    ok &= run(self, "exported-memory", slice, NULL, false, 0, &lavapipe);
-    ok &= killed_holders(self, slice, &lavapipe);
-    ok &= run(self, "budget-after-kills", slice, NULL, true, 0, &lavapipe);
-    ok &= run(self, "throttled-submits", slice, "250", true, 0, &lavapipe);
-    /* Exports stay counted in the file for as long as it lives: a file of their own. */
-    ok &= run(self, "exports-outlive", slice, NULL, true, 0, &lavapipe);
-    make_accounting();
+    ok &= run(self, "many-instances", NULL, NULL, NULL, 0, &lavapipe);
+    ok &= run(self, "many-instances", slice, NULL, NULL, 0, &lavapipe);
+    ok &= run(self, "many-devices", NULL, NULL, NULL, 0, &lavapipe);
+    ok &= run(self, "many-devices", slice, NULL, budgets, 0, &lavapipe);
+    ok &= run(self, "pass-through-budget", NULL, NULL, NULL, 0, &lavapipe);
+    ok &= run(self, "pass-through-budget", "not a slice", NULL, NULL, 0, &lavapipe);
+    ok &= run(self, "slice-edge", slice, NULL, budgets, 0, &lavapipe);
+    ok &= run(self, "slice-edge", slice, NULL, NULL, 0, &lavapipe);
+    ok &= run(self, "exported-memory", slice, NULL, budgets, 0, &lavapipe);
+    ok &= killed_holders(self, slice, budgets, &lavapipe);
+    ok &= run(self, "throttled-submits", slice, "250", budgets, 0, &lavapipe);
+    ok &= run(self, "export-handoff", slice, NULL, budgets, 0, &lavapipe);
+    daemon_compute = "1";
+    ok &= run(self, "ledger-compute", slice, NULL, budgets, 0, &lavapipe);
+    daemon_compute = NULL;
     return ok;
 }
 
@@ -1389,36 +1754,40 @@ static bool on_the_fake_driver(const char *self, const char *manifest)
 #undef PCI2
 #undef PCI3
 #undef IDS
-    char slice[64];
+    char slice[64], budgets[32];
     snprintf(slice, sizeof slice, "any=%llu", (unsigned long long)(SLICE_MIB * MIB));
+    snprintf(budgets, sizeof budgets, "%llu", (unsigned long long)(SLICE_MIB * MIB));
     const char *whole = "pci:0000:03:00.0=0,pci:0000:04:00.0=0";
     bool ok = true;
     /* No slice applies: none, one that does not parse, whole GPUs (any=0, or each named with 0). */
     const char *no_slice[] = {NULL, "not a slice", "any=0", whole};
     for (size_t i = 0; i < sizeof no_slice / sizeof *no_slice; i++) {
-        ok &= run(self, "fake-pass-through", no_slice[i], NULL, false, 0, &two);
-        ok &= run(self, "fake-pass-through", no_slice[i], NULL, false, 0, &two_budget);
+        ok &= run(self, "fake-pass-through", no_slice[i], NULL, NULL, 0, &two);
+        ok &= run(self, "fake-pass-through", no_slice[i], NULL, NULL, 0, &two_budget);
     }
     /* The driver's budget above the slice's, and below it. */
-    ok &= run(self, "fake-own-budget", slice, NULL, false, 0, &roomy);
-    ok &= run(self, "fake-own-budget", slice, NULL, true, 0, &roomy);
-    ok &= run(self, "fake-own-budget", slice, NULL, false, 0, &crowded);
-    ok &= run(self, "fake-discrete-slice", "any=1073741824", NULL, false, 0, &discrete);
-    ok &= run(self, "fake-discrete-slice", "any=1073741824", NULL, true, 0, &discrete);
-    ok &= run(self, "fake-integrated-slice", "any=805306368", NULL, false, 0, &integrated);
+    ok &= run(self, "fake-own-budget", slice, NULL, NULL, 0, &roomy);
+    ok &= run(self, "fake-own-budget", slice, NULL, budgets, 0, &roomy);
+    ok &= run(self, "fake-own-budget", slice, NULL, NULL, 0, &crowded);
+    ok &= run(self, "fake-discrete-slice", "any=1073741824", NULL, NULL, 0, &discrete);
+    ok &= run(self, "fake-discrete-slice", "any=1073741824", NULL, "1073741824", 0, &discrete);
+    ok &= run(self, "fake-integrated-slice", "any=805306368", NULL, NULL, 0, &integrated);
     for (size_t i = 0; i < sizeof gpus_cases / sizeof *gpus_cases; i++) {
-        ok &= run(self, gpus_cases[i].name, gpus_cases[i].slices, NULL, false, 0,
+        ok &= run(self, gpus_cases[i].name, gpus_cases[i].slices, NULL, NULL, 0,
                   gpus_cases[i].pci ? &three : &three_no_pci);
     }
     /* A configuration the fake driver cannot parse fails instance creation: its scenarios cannot pass by
      * testing something else. */
     const struct driver typo = {manifest, {"FAKE_ICD_HEAPS=device:8Q"}};
-    ok &= run(self, "fake-refuses-typos", NULL, NULL, false, 0, &typo);
-    ok &= run(self, "fork-free", slice, NULL, true, 0, &roomy);
+    ok &= run(self, "fake-refuses-typos", NULL, NULL, NULL, 0, &typo);
+    ok &= run(self, "fork-free", slice, NULL, budgets, 0, &roomy);
     const struct driver reusing = {manifest, {"FAKE_ICD_HEAPS=device:1G,host:4G", "FAKE_ICD_REUSE=1"}};
-    ok &= run(self, "free-reuse", slice, NULL, true, 0, &reusing);
-    ok &= run(self, "slots-past-256", slice, NULL, true, 0, &roomy);
-    ok &= run(self, "private-fallbacks", slice, NULL, false, 0, &roomy);
+    ok &= run(self, "free-reuse", slice, NULL, budgets, 0, &reusing);
+    ok &= run(self, "fork-own-connection", slice, NULL, budgets, 0, &roomy);
+    ok &= run(self, "shared-edge", slice, NULL, budgets, 0, &roomy);
+    ok &= run(self, "ledger-away", slice, NULL, budgets, 0, &roomy);
+    ok &= run(self, "held-alone", slice, NULL, NULL, 0, &roomy);
+    ok &= run(self, "ledger-garbage", slice, NULL, NULL, 0, &roomy);
     return ok;
 }
 
@@ -1449,20 +1818,22 @@ int main(int argc, char **argv)
         fprintf(stderr, "harness: HARNESS_FAKE_ICD and HARNESS_FAKE_ICD_LIBRARY are not set (make check sets them)\n");
         return 1;
     }
-    if (mkdtemp(accounting_dir) == NULL) {
+    if (mkdtemp(temporary) == NULL) {
         perror("harness: mkdtemp");
         return 1;
     }
-    make_accounting();
+    snprintf(ledger_dir, sizeof ledger_dir, "%s/ledger", temporary);
+    setenv("HARNESS_TEMPORARY", temporary, 1);
     bool ok = true;
     if (lavapipe != NULL && *lavapipe != '\0') {
         ok &= on_lavapipe(argv[0], lavapipe);
     }
     ok &= on_the_fake_driver(argv[0], fake);
-    char path[sizeof accounting_dir + 32];
-    snprintf(path, sizeof path, "%s/slice-0.acct", accounting_dir);
+    char path[sizeof ledger_dir + 16];
+    snprintf(path, sizeof path, "%s/ledger.sock", ledger_dir);
     unlink(path);
-    rmdir(accounting_dir);
+    rmdir(ledger_dir);
+    rmdir(temporary);
     printf("%s\n", ok ? "every scenario passed" : "some scenarios FAILED");
     return ok ? 0 : 1;
 }
