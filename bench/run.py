@@ -620,7 +620,8 @@ async def bench_vulkan_layer(workdir: Path, figures: list[Figure]) -> None:
     layer = LayerDir(workdir / "vulkan")
     layer.install()
     ledgers = Ledgers(layer.ledgers)
-    await ledgers.open("bench", [Terms(1 << 40)])
+    # A compute share of 0: as the env says (the compute figures below set GPUPPETTI_VK_COMPUTE per run).
+    await ledgers.open("bench", [Terms(1 << 40, 0)])
     without = {key: value for key, value in os.environ.items() if not key.startswith(("VK_", "GPUPPETTI_VK"))}
     with_layer = {**without, "VK_LAYER_PATH": str(_explicit_layer(workdir / "explicit", layer.path / LIBRARY)),
                   "VK_INSTANCE_LAYERS": LAYER_NAME, "GPUPPETTI_VK_SLICES": f"any={1 << 40}",
