@@ -202,12 +202,12 @@ async def bench_plugin_basics(workdir: Path, idle_seconds: float, figures: list[
             "Allocate of an enforced slice p50 / no-op unary p50, 8 units", a50 / b50, "x",
             f"≤ {ENFORCED_ALLOCATE_GOAL:g}x", a50 / b50 <= ENFORCED_ALLOCATE_GOAL,
             f"Allocate p50 {a50 * 1e6:,.0f} µs; no-op p50 {b50 * 1e6:,.0f} µs: the {(a50 - b50) * 1e6:,.0f} µs between "
-            "them are the slice's allocation directory and accounting file for the Vulkan layer, written "
+            "them are the slice's ledger for the Vulkan layer (its socket and the plugin's record), served "
             "before the answer (the size figures below run with enforcement off)"))
         plugin.stop()
 
 
-# An enforced slice's Allocate writes its allocation directory before it answers: what that may cost.
+# An enforced slice's Allocate serves its ledger before it answers: what that may cost.
 ENFORCED_ALLOCATE_GOAL = 2.5
 
 
