@@ -20,7 +20,7 @@ from gpuppetti.core import cdi
 from gpuppetti.core.model import ContainerEdits, DeviceNode, Mount
 from gpuppetti.deviceplugin.enforcement import Enforcer, allocation_id
 from gpuppetti.kubelet.emulator import ContainerAllocation, KubeletEmulator, Pod
-from gpuppetti.kubelet.sandbox import PodmanSandbox
+from gpuppetti.kubelet.sandbox import PodmanSandbox, podman_flags
 from gpuppetti.layer.ledgers import Ledgers
 from gpuppetti.layer.vulkan import BUILT, LIBRARY, LayerDir
 from gpuppetti.sharing.budgets import Budget
@@ -314,3 +314,81 @@ async def test_a_consumable_claims_container_obtains_its_memory(cluster: Cluster
     [report] = await vkinfo(box, _spec_edits(device), "gpuppetti-vkinfo --json --allocate 32")
     assert report["devices"][0]["heaps"][0]["size"] == 384 * MIB
     assert report["allocation"]["obtained"] == 384 * MIB
+
+
+async def _box() -> PodmanSandbox:
+    if (reason := why_not_here()) is not None:
+        pytest.skip(f"the layer's container tests cannot run: {reason}")
+    box = PodmanSandbox()
+    if (problem := await box.why_not()) is not None:
+        pytest.skip(f"podman cannot run containers here: {problem}")
+    await box.ensure_image()
+    return box
+
+
+async def _restart_under_a_workload(box: PodmanSandbox, edits: ContainerEdits, restart: Callable[[], Any]) -> None:
+    """A container holding 320 MiB of its 512 MiB slice while its daemon is killed and started again (``restart``):
+    an allocation made while the daemon is away waits, then fails as Vulkan fails; once the daemon is back, the
+    holder has declared what it holds, and a second container of the allocation obtains exactly the rest."""
+    name = f"holder-{os.getpid()}"
+    holder = asyncio.create_task(box.shell(name, podman_flags(edits), "gpuppetti-vkinfo --json --allocate 64 "
+                                           "--limit 320 --hold 25"))
+    await asyncio.sleep(6)  # the holder has its 320 MiB (the container starts in a second or two)
+    away = ContainerEdits(env={**edits.env, "GPUPPETTI_VK_LEDGER_WAIT_MS": "1000"}, mounts=list(edits.mounts))
+    await restart()
+    [refused] = await vkinfo(box, away, "gpuppetti-vkinfo --json --allocate 64")
+    assert refused["allocation"]["obtained"] == 0, "the daemon is away: nothing is handed out"
+    assert refused["allocation"]["refused_with"] == "VK_ERROR_OUT_OF_DEVICE_MEMORY"
+    await restart()
+    [rest] = await vkinfo(box, edits, "gpuppetti-vkinfo --json --allocate 64")
+    code, out, err = await holder
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["allocation"]["obtained"] == 320 * MIB, "the holder ran on"
+    assert rest["allocation"]["obtained"] == 192 * MIB, "the restarted daemon holds the holder's 320 MiB"
+
+
+async def test_the_plugin_restarted_under_a_running_container_loses_nothing(
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., PluginProcess]
+) -> None:
+    box = await _box()
+    plugin = start_plugin_process(SMALL)
+    await kubelet.wait_registered("apple.com/gpu")
+    [one] = await kubelet.admit(Pod.simple("one", "apple.com/gpu", 1))
+    phase: list[str] = []
+
+    async def restart() -> None:
+        nonlocal plugin
+        if not phase:  # first: killed, and left away
+            plugin.send(signal.SIGKILL)
+            await plugin.wait()
+        else:
+            plugin = start_plugin_process(SMALL)
+            await kubelet.wait_registered("apple.com/gpu", count=2)
+        phase.append("done")
+
+    await _restart_under_a_workload(box, _edits_of(one.response), restart)
+
+
+async def test_the_dra_driver_restarted_under_a_running_container_loses_nothing(cluster: Cluster) -> None:
+    box = await _box()
+    config = DRA_SMALL + "dra: {slicing: consumable}\n"
+    driver = cluster.start_driver(config, own_process=True)
+    await cluster.kubelet.wait_registered(DRIVER)
+    await cluster.wait_slices(lambda s: len(s) >= 1)
+    claim = await cluster.allocate("held", [{"request": "gpu", "device": "gpu-apple-1", "shareID": "beef01",
+                                             "consumedCapacity": {"memory": "512Mi"}}])
+    assert not (await cluster.kubelet.prepare([claim]))[DRIVER][claim.uid].error
+    [device] = _spec(cluster, claim.uid)["devices"]
+    phase: list[str] = []
+
+    async def restart() -> None:
+        nonlocal driver
+        if not phase:
+            driver.send(signal.SIGKILL)
+            await driver.wait()
+        else:
+            driver = cluster.start_driver(config, own_process=True)
+            await cluster.kubelet.wait_registered(DRIVER, count=2)
+        phase.append("done")
+
+    await _restart_under_a_workload(box, _spec_edits(device), restart)
