@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,3 +91,45 @@ async def test_a_list_too_big_for_the_kubelet_is_said_not_sent(
         assert status == 503 and "more than the kubelet accepts (4,194,304 bytes" in text, text
         assert kubelet.capacity("apple.com/gpu") == 0
     assert plugin.running()
+
+
+async def test_a_request_whose_client_has_gone_is_dropped_and_held_connections_give_way() -> None:
+    from gpuppetti.base import webserver
+
+    started, dropped = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> webserver.Answer:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            dropped.set()
+            raise
+        return webserver.Answer.text(200, "late\n")
+
+    async def fast() -> webserver.Answer:
+        return webserver.Answer.text(200, "ok\n")
+
+    server = webserver.Server({"/slow": slow, "/healthz": fast})
+    await server.start("127.0.0.1", 0)
+    serving = asyncio.create_task(server.serve())
+    host, port = server.address.rsplit(":", 1)
+    try:
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(dropped.wait(), 5)
+
+        # Twice the cap in connections that say nothing: the oldest give way, and a probe is answered at once.
+        held = [(await asyncio.open_connection(host, int(port)))[1] for _ in range(2 * webserver.MAX_CONNECTIONS)]
+        try:
+            assert await asyncio.wait_for(_get(f"http://{server.address}/healthz"), 2) == (200, "ok\n")
+            assert len(server._open) <= webserver.MAX_CONNECTIONS
+        finally:
+            for writer in held:
+                writer.close()
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving

@@ -231,6 +231,36 @@ async def test_twenty_idle_connections_leave_the_probes_answering(
             writer.close()
 
 
+async def test_held_connections_and_abandoned_scrapes_leave_allocate_fast(plugin_dir: Path) -> None:
+    # At a container runtime's soft limit of 1,024 descriptors: 1,500 connections that say nothing, then 3,000
+    # scrapes whose clients give up at once. Every Allocate still succeeds at once, and the log stays small.
+    plugin = PluginProcess(TWO_M3_MAX, plugin_dir, open_files=1024)
+    held: list[asyncio.StreamWriter] = []
+    try:
+        async with KubeletEmulator(plugin_dir) as kubelet:
+            await kubelet.wait_registered(APPLE, timeout=15)
+            host, port = (await plugin.http_url()).removeprefix("http://").rsplit(":", 1)
+            for _ in range(1500):
+                held.append((await asyncio.open_connection(host, int(port)))[1])
+            for n in range(3000):
+                _, writer = await asyncio.open_connection(host, int(port))
+                writer.write(f"GET {'/metrics' if n % 2 else '/v1/slices'} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                writer.close()
+            for n in range(7):
+                began = time.monotonic()
+                await kubelet.admit(Pod.simple(f"p{n}", APPLE, 1))
+                assert time.monotonic() - began < 1.0, f"Allocate {n} took {time.monotonic() - began:.1f}s"
+                kubelet.release(f"p{n}")
+            _, page = await asyncio.to_thread(_get, f"http://{host}:{port}/metrics")
+            assert 'gpuppetti_allocate_requests_total{resource="apple.com/gpu",result="ok"} 7.0' in page
+        assert plugin.running()
+        assert len(plugin.log()) < 20_000, plugin.log()[-3000:]
+    finally:
+        for writer in held:
+            writer.close()
+        plugin.kill()
+
+
 def _get(url: str) -> tuple[int, str]:
     import urllib.request
 
