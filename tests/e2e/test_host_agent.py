@@ -93,6 +93,12 @@ async def test_held_connections_and_requests_without_the_token_leave_the_agent_a
             writer.write(request)
             assert (await reader.read()).startswith(b"HTTP/1.1 401")
             writer.close()
+        # The token is checked once the headers are in: a body that is announced and never sent waits for nothing.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {API_PATH} HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n".encode())
+        async with asyncio.timeout(1.0):
+            assert (await reader.readline()).startswith(b"HTTP/1.1 401")
+        writer.close()
         for _ in range(10):
             async with asyncio.timeout(1.0):
                 status, body = await _get(f"http://127.0.0.1:{port}{API_PATH}", {"Authorization": f"Bearer {secret}"})
