@@ -430,6 +430,32 @@ def _catches(pid: int, signum: int) -> bool:
     return bool(caught & (1 << (signum - 1)))
 
 
+def test_the_early_handlers_are_in_before_anything_heavy_is_imported() -> None:
+    # The console script's first lines, with what had been imported by the moment SIGHUP's handler went in: only
+    # the package's own first modules beside what the interpreter loads before any program runs (a SIGHUP in the
+    # milliseconds that `signal`, `typing` or `threading` take to import would end the process).
+    code = (
+        "import sys, _signal\n"
+        "before = set(sys.modules)\n"
+        "real = _signal.signal\n"
+        "seen = []\n"
+        "def spy(signum, handler):\n"
+        "    if signum == _signal.SIGHUP and not seen:\n"
+        "        seen.append(sorted(set(sys.modules) - before))\n"
+        "    return real(signum, handler)\n"
+        "_signal.signal = spy\n"
+        "from gpuppetti.cli import main\n"
+        "try:\n"
+        "    main(['--version'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(' '.join(seen[0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    imported = set(out.stdout.splitlines()[-1].split()) - {"__future__", "gc"}
+    assert imported == {"gpuppetti", "gpuppetti.cli", "gpuppetti.base", "gpuppetti.base.earlysignals"}, imported
+
+
 @pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"], ["discover"], ["doctor"]],
                          ids=lambda c: c[0])
 def test_ctrl_c_while_a_command_starts_is_one_line_and_130(tmp_path: Path, command: list[str]) -> None:
