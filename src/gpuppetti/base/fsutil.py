@@ -147,6 +147,34 @@ def read_untrusted(path: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+# A sysfs or cgroup file the daemons read is a line or a few hundred: what is past this is not read.
+HOST_FILE_LIMIT = 64 * 1024
+
+
+def read_host_file(path: Path | str, limit: int = HOST_FILE_LIMIT) -> str | None:
+    """The text of a file of the host's (under ``--host-root``: sysfs, cgroupfs), or None where it is not a regular
+    file or cannot be read. Its path may go through links, as sysfs's do; but what is opened must be a regular
+    file (sysfs's attributes are), opened without blocking (a FIFO would hang the read), and at most ``limit``
+    bytes are read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks: list[bytes] = []
+        left = limit
+        while left > 0 and (chunk := os.read(fd, min(left, 65536))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks).decode(errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def remove_file(path: Path) -> bool:
     """Remove ``path`` if it is there (a symlink itself, never its target); whether something was removed."""
     try:
