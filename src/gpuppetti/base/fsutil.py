@@ -39,21 +39,54 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def make_directory(path: Path, mode: int = 0o755) -> None:
-    """Create ``path`` and its missing parents with ``mode``, whatever the umask; an existing one is left alone."""
-    if os.path.isdir(path):
+def make_directory(path: Path | str, mode: int = 0o755) -> None:
+    """Create ``path`` and its missing parents with ``mode``, whatever the umask; an existing one is left alone.
+
+    Never through a link that it did not make: ``path`` itself must not be a link, and each missing directory is
+    made in its parent's descriptor and opened from there without following a link, so that a link planted at its
+    name meanwhile is refused, not followed. The links among the parents that were there already are the node's
+    layout (``/var/run`` to ``/run``), and are followed. Raises NotADirectoryError naming what is in the way."""
+    target = os.path.abspath(path)
+    missing: list[str] = []
+    existing = target
+    while True:
+        try:
+            found = os.lstat(existing)
+        except FileNotFoundError:
+            head, name = os.path.split(existing)
+            if head == existing:
+                raise
+            missing.append(name)
+            existing = head
+            continue
+        break
+    if not missing:
+        if stat.S_ISLNK(found.st_mode):
+            raise NotADirectoryError(f"{target} is a link: not following it")
+        if not stat.S_ISDIR(found.st_mode):
+            raise NotADirectoryError(f"{target} is not a directory")
         return
-    missing: list[Path] = []
-    current = path
-    while not current.exists() and current != current.parent:
-        missing.append(current)
-        current = current.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, mode)
-            os.chmod(directory, mode, follow_symlinks=False)
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is not a directory")
+    fd = os.open(existing, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in reversed(missing):
+            made = True
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:
+                made = False
+            existing = os.path.join(existing, name)
+            try:
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotADirectoryError(f"{existing} is a link or not a directory: not following it") from None
+                raise
+            os.close(fd)
+            fd = child
+            if made:
+                os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: Path | str, data: bytes | Iterable[bytes], mode: int = 0o644, durable: bool = True,

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import posixpath
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuppetti.base.nodepaths import DAEMONSET_MOUNTS, DEFAULT_VULKAN_LAYER_DIR, SYSTEM_DIRECTORIES, SYSTEM_TREES
 from gpuppetti.base.quantity import parse_quantity
 from gpuppetti.base.syntax import (
     dns_label_problem,
@@ -240,9 +242,30 @@ def resource_list(text: str) -> dict[str, str] | None:
 
 def host_directory(text: str) -> Path | None:
     """An absolute directory on the node, as a hostPath takes it (the Vulkan layer's, which containers mount);
-    '' for none. The same for the daemons that install there and for the manifests that mount it."""
+    '' for none. The same for the daemons that install there and for the manifests that mount it: a directory of
+    its own, neither a system directory nor one the DaemonSets mount for something else."""
     if not text:
         return None
     if (problem := host_path_problem(text)) is not None:
         raise Bad(f"{problem}, or '' for none")
+    if (problem := layer_directory_problem(text)) is not None:
+        raise Bad(f"{problem}: give a directory of its own, such as {DEFAULT_VULKAN_LAYER_DIR}, or '' for none")
     return Path(text)
+
+
+def layer_directory_problem(text: str) -> str | None:
+    """Why the absolute path ``text`` cannot be the Vulkan layer's directory; None when it can."""
+    path = posixpath.normpath("/" + text.lstrip("/"))
+    for mount, what in DAEMONSET_MOUNTS.items():
+        if path == mount:
+            return f"{path} is where the DaemonSets mount {what}"
+        if path.startswith(mount + "/"):
+            return f"{path} is inside {mount}, where the DaemonSets mount {what}"
+        if mount.startswith(path.rstrip("/") + "/"):
+            return f"{path} holds {mount}, where the DaemonSets mount {what}"
+    if path in SYSTEM_DIRECTORIES:
+        return f"{path} is a system directory"
+    for tree in SYSTEM_TREES:
+        if path == tree or path.startswith(tree + "/"):
+            return f"{path} is in {tree}, the system's own"
+    return None

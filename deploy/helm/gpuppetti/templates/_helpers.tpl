@@ -179,6 +179,7 @@ refuses the same flags, and a release namespace that is no namespace name. */}}
 {{- if and .Values.config $replicas -}}
 {{- fail "replicas applies to the generated config; set the replicas in config instead" -}}
 {{- end -}}
+{{- include "gpuppetti.layerDir" . -}}
 {{- if and .Values.boundAllocationDirs (not .Values.vulkanLayerDir) -}}
 {{- fail "boundAllocationDirs bounds the Vulkan layer's allocation directories: it needs vulkanLayerDir (enforcement on)" -}}
 {{- end -}}
