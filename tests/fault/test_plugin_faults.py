@@ -90,7 +90,11 @@ def test_a_socket_deleted_as_soon_as_it_appears_never_kills_the_plugin(plugin_di
     thread.start()
     plugin = PluginProcess(TWO_M3_MAX, plugin_dir)
     try:
-        time.sleep(4.0)
+        # For a while once the plugin has begun making its socket (on a busy machine, its start takes a while).
+        deadline = time.monotonic() + 30
+        while deleted == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.0)
         stop.set()
         thread.join()
         assert deleted > 0
@@ -274,8 +278,11 @@ def _get(url: str) -> tuple[int, str]:
 def test_a_sighup_during_start_up_is_deferred_not_fatal(plugin_dir: Path) -> None:
     plugin = PluginProcess(TWO_M3_MAX, plugin_dir)
     try:
-        # While it imports (most of a second), well before the event loop's handlers exist.
-        time.sleep(0.15)
+        # While it imports (most of a second), well before the event loop's handlers exist; once the command line's
+        # first lines have run (before that, Python itself is starting, and no program can catch a signal).
+        deadline = time.monotonic() + 20
+        while not _catches(plugin.pid, signal.SIGHUP) and time.monotonic() < deadline:
+            time.sleep(0.005)
         plugin.send(signal.SIGHUP)
         time.sleep(0.1)
         plugin.send(signal.SIGHUP)

@@ -170,3 +170,12 @@ def test_the_layer_dir_check_knows_every_mount_of_the_daemonsets() -> None:
             for container in obj["spec"]["template"]["spec"]["containers"]:
                 paths = {mount["mountPath"] for mount in container["volumeMounts"]} - {"/var/lib/gpuppetti/vulkan"}
                 assert paths <= set(DAEMONSET_MOUNTS), paths - set(DAEMONSET_MOUNTS)
+
+
+@pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"]])
+def test_a_relative_cdi_dir_is_refused_where_no_runtime_would_look(command: list[str]) -> None:
+    with pytest.raises(UsageError, match="--cdi-dir: 'relcdi': must be an absolute path"):
+        parse([*command, "--cdi-dir", "relcdi"], {})
+    with pytest.raises(UsageError, match="GPUPPETTI_CDI_DIR='relcdi': must be an absolute path"):
+        parse(command, {"GPUPPETTI_CDI_DIR": "relcdi"})
+    assert parse([*command, "--cdi-dir", "/etc/cdi"], {}).cdi_dir == Path("/etc/cdi")

@@ -138,6 +138,15 @@ def path(text: str) -> Path:
     return _path(text)
 
 
+def cdi_directory(text: str) -> Path:
+    """Where CDI specs go: an absolute directory, as the container runtimes read them (a relative one would be made
+    in whatever directory the command ran in, where no runtime looks)."""
+    if text and not text.startswith("/"):
+        raise Bad("must be an absolute path, such as /var/run/cdi or /etc/cdi, where the container runtime reads "
+                  "CDI specs")
+    return _path(text)
+
+
 def _path(text: str) -> Path:
     if not text:
         raise Bad("must not be empty")
@@ -159,6 +168,10 @@ def kubeconfig(text: str, current: bool = True) -> Path:
     if not paths:
         raise Bad("must not be empty")
     if not any(candidate.is_file() for candidate in paths):
+        if len(paths) == 1 and paths[0].is_dir():
+            raise Bad("is a directory: give the kubeconfig file in it (such as ~/.kube/config)")
+        if len(paths) == 1 and paths[0].exists():
+            raise Bad("is not a regular file")
         raise Bad("no such file" if len(paths) == 1 else "none of these files exists")
     # Read whole now: a truncated file or one with no current context is the user's to fix, said before anything
     # starts (exit 2), not a traceback from the first client made.
