@@ -185,10 +185,15 @@ HOST_FILE_LIMIT = 64 * 1024
 
 
 def read_host_file(path: Path | str, limit: int = HOST_FILE_LIMIT) -> str | None:
-    """The text of a file of the host's (under ``--host-root``: sysfs, cgroupfs), or None where it is not a regular
-    file or cannot be read. Its path may go through links, as sysfs's do; but what is opened must be a regular
-    file (sysfs's attributes are), opened without blocking (a FIFO would hang the read), and at most ``limit``
-    bytes are read."""
+    """The text of a file of the host's, as read_host_bytes reads it; None where it does not."""
+    data = read_host_bytes(path, limit)
+    return None if data is None else data.decode(errors="replace")
+
+
+def read_host_bytes(path: Path | str, limit: int = HOST_FILE_LIMIT) -> bytes | None:
+    """The first ``limit`` bytes of a file of the host's (under ``--host-root``: sysfs, cgroupfs), or None where it
+    is not a regular file or cannot be read. Its path may go through links, as sysfs's do; but what is opened must
+    be a regular file (sysfs's attributes are), opened without blocking (a FIFO would hang the read)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -201,7 +206,7 @@ def read_host_file(path: Path | str, limit: int = HOST_FILE_LIMIT) -> str | None
         while left > 0 and (chunk := os.read(fd, min(left, 65536))):
             chunks.append(chunk)
             left -= len(chunk)
-        return b"".join(chunks).decode(errors="replace")
+        return b"".join(chunks)
     except OSError:
         return None
     finally:
