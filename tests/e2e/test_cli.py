@@ -59,9 +59,11 @@ def test_unusable_socket_directory_is_a_clear_error(tmp_path: Path) -> None:
     config.write_text("version: v1\nsimulated:\n  gpus:\n    - {model: X}\n")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = run_cli("plugin", "--config", str(config), "--device-plugin-dir", str(blocker / "dp"))
+    result = run_cli("plugin", "--config", str(config), "--device-plugin-dir", str(blocker / "dp"),
+                     "--http-address", "")
     assert result.returncode == 1
-    assert f"cannot create the device plugin directory {blocker / 'dp'}" in result.stderr
+    assert (f"the device plugin directory {blocker / 'dp'} cannot exist: {blocker} is not a directory "
+            "(see --device-plugin-dir)") in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -161,6 +161,12 @@ class DevicePluginManager:
         """At start: whether the directory is there and can hold sockets. Raises StartupError when it cannot be
         used at all (a start-up mistake, not a state to wait out)."""
         if not self.directory.exists():
+            parent = self.directory.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            if not parent.is_dir():
+                raise StartupError(f"the device plugin directory {self.directory} cannot exist: {parent} is not a "
+                                   "directory (see --device-plugin-dir)")
             return False
         if not self.directory.is_dir():
             raise StartupError(f"the device plugin directory {self.directory} is not a directory "
