@@ -13,7 +13,25 @@ NATIVE_OUT := src/gpuppetti/_native
 NATIVE := $(NATIVE_OUT)/libVkLayer_gpuppetti.so $(NATIVE_OUT)/gpuppetti-vkinfo
 NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native/vulkan-layer/Makefile
 
-.PHONY: demo test unit e2e lint typecheck proto deploy image bench bench-scale clean native dist gpu-check venus
+.PHONY: help demo test unit e2e lint typecheck proto deploy image bench bench-scale clean native dist gpu-check venus
+.DEFAULT_GOAL := help
+
+# Plain `make`: what there is to make.
+help:
+	@echo "make demo        the demo: a kubelet emulator, the device plugin and pods on this machine's GPUs"
+	@echo "make test        lint, typecheck and every test (about 15 minutes on two cores)"
+	@echo "make unit        the unit tests only (about 25 s)"
+	@echo "make e2e         the end-to-end tests"
+	@echo "make lint        ruff and the import contracts"
+	@echo "make typecheck   mypy, strict"
+	@echo "make native      the Vulkan layer and its probe, into the package"
+	@echo "make dist        an sdist and a wheel per architecture ($(DIST_ARCHES)) in dist/"
+	@echo "make image       the image the manifests run ($(IMAGE))"
+	@echo "make deploy      re-render deploy/ from gpuppetti manifests"
+	@echo "make proto       regenerate the gRPC stubs"
+	@echo "make bench       the benchmark suite; make bench-scale: DRA at cluster scale (root)"
+	@echo "make venus       the Venus tier (root); make gpu-check: on a host with a real GPU"
+	@echo "make clean       every build output"
 
 $(STAMP): pyproject.toml
 	@echo "installing gpuppetti and its dependencies into $(VENV) (first run, or pyproject.toml changed: about a minute)"
@@ -106,12 +124,20 @@ proto: $(STAMP)
 # manylinux tag its binaries satisfy (dist/gpuppetti-VERSION-py3-none-manylinux_2_N_ARCH.whl); the probe's
 # libvulkan.so.1 is the system's Vulkan loader, never one carried in the wheel.
 DIST_ARCHES ?= x86_64 aarch64
+# Each architecture's compiler and Vulkan loader are checked before anything is built or removed: Debian names the
+# architectures otherwise (x86_64 is amd64, aarch64 arm64), and the loader of another one is a foreign package.
 dist: $(STAMP)
+	@for arch in $(DIST_ARCHES); do \
+	  deb=$$(case $$arch in (x86_64) echo amd64 ;; (aarch64) echo arm64 ;; (*) echo $$arch ;; esac); \
+	  command -v $$arch-linux-gnu-gcc >/dev/null || { echo "make dist: no $$arch-linux-gnu-gcc for the $$arch wheel" \
+	    "(Debian: apt-get install gcc-$$(echo $$arch | tr _ -)-linux-gnu libvulkan-dev:$$deb)" >&2; exit 1; }; \
+	  case "$$($$arch-linux-gnu-gcc -print-file-name=libvulkan.so)" in */*) ;; *) \
+	    echo "make dist: $$arch-linux-gnu-gcc finds no libvulkan.so for the $$arch wheel (Debian: dpkg" \
+	      "--add-architecture $$deb && apt-get update && apt-get install libvulkan-dev:$$deb)" >&2; exit 1 ;; esac; \
+	done
 	rm -rf dist
 	GPUPPETTI_REQUIRE_LAYER=1 $(BIN)/python -m build --no-isolation --sdist --outdir dist .
 	@set -e; for arch in $(DIST_ARCHES); do \
-	  command -v $$arch-linux-gnu-gcc >/dev/null || { echo "make dist: no $$arch-linux-gnu-gcc for the $$arch wheel" \
-	    "(Debian: gcc-$$(echo $$arch | tr _ -)-linux-gnu, and libvulkan-dev for that architecture)" >&2; exit 1; }; \
 	  echo "building the $$arch wheel from the sdist (CC=$$arch-linux-gnu-gcc)"; \
 	  CC=$$arch-linux-gnu-gcc GPUPPETTI_REQUIRE_LAYER=1 $(BIN)/python -m pip wheel --quiet --no-deps \
 	    --no-build-isolation --no-cache-dir --wheel-dir dist/linux-$$arch dist/gpuppetti-*.tar.gz; \

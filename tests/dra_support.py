@@ -45,9 +45,9 @@ class Cluster:
         return self.root / "plugins" / DRIVER
 
     def start_driver(self, config_text: str | None = TWO_M3_MAX, api_timeout: float | None = None,
-                     umask: int | None = None, own_process: bool = False) -> Daemon:
+                     umask: int | None = None, own_process: bool = False, open_files: int | None = None) -> Daemon:
         """The driver in the test's event loop, or in a process of its own where the test needs one
-        (``own_process``, or a ``umask`` for that process)."""
+        (``own_process``, or a ``umask`` or a soft limit on ``open_files`` for that process)."""
         args = ["dra", "--node-name", NODE, "--registry-dir", str(self.root / "registry"),
                 "--plugins-dir", str(self.root / "plugins"), "--cdi-dir", str(self.cdi_dir),
                 "--kubeconfig", str(self.kubeconfig)]
@@ -55,8 +55,8 @@ class Cluster:
             args += ["--api-timeout", str(api_timeout)]
         name = f"dra-{len(self.started)}"
         driver: Daemon
-        if own_process or umask is not None:
-            driver = DaemonProcess(args, config_text, self.root, name, umask=umask)
+        if own_process or umask is not None or open_files is not None:
+            driver = DaemonProcess(args, config_text, self.root, name, umask=umask, open_files=open_files)
         else:
             driver = InProcessDaemon(args, config_text, self.root, name)
         self.started.append(driver)

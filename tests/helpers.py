@@ -8,12 +8,13 @@ import fcntl
 import gc
 import io
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -167,14 +168,17 @@ class DaemonProcess(Daemon):
     environment, the process's memory and file descriptors)."""
 
     def __init__(self, args: list[str], config_text: str | None, workdir: Path, name: str,
-                 env: dict[str, str] | None = None, umask: int | None = None) -> None:
+                 env: dict[str, str] | None = None, umask: int | None = None,
+                 open_files: int | None = None) -> None:
+        """``open_files``: the soft limit on open files it starts with (a container runtime's 1,024)."""
         super().__init__(args, config_text, workdir, name)
         self._log = self.log_path.open("ab")
         environment = {k: v for k, v in os.environ.items() if not k.startswith("GPUPPETTI_")}
         environment.update(env or {})
         self.process = subprocess.Popen([sys.executable, "-m", "gpuppetti", *self.argv],
                                         stdout=self._log, stderr=subprocess.STDOUT, env=environment,
-                                        umask=-1 if umask is None else umask)
+                                        umask=-1 if umask is None else umask,
+                                        preexec_fn=None if open_files is None else _soft_open_files(open_files))
 
     @property
     def pid(self) -> int:
@@ -199,15 +203,22 @@ class DaemonProcess(Daemon):
         self.kill()
 
 
+def _soft_open_files(limit: int) -> Callable[[], None]:
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    return apply
+
+
 class PluginProcess(DaemonProcess):
     """``gpuppetti plugin`` in a process of its own, serving the device plugin directory ``directory``."""
 
     def __init__(
-        self, config_text: str | None, directory: Path, *extra: str, env: dict[str, str] | None = None
+        self, config_text: str | None, directory: Path, *extra: str, env: dict[str, str] | None = None,
+        open_files: int | None = None,
     ) -> None:
         self.directory = directory
         super().__init__(["plugin", "--device-plugin-dir", str(directory), *extra], config_text, directory.parent,
-                         f"{directory.name}-plugin", env)
+                         f"{directory.name}-plugin", env, open_files=open_files)
 
 
 FAKES = Path(__file__).resolve().parent / "fakes"

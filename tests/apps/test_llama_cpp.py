@@ -25,6 +25,7 @@ import pytest
 
 from gpuppetti.core.model import ContainerEdits
 from gpuppetti.kubelet.sandbox import podman_flags
+from gpuppetti.sharing.budgets import WHOLE_COMPUTE
 from tests.apps.conftest import can_run
 from tests.apps.support import (
     MIB,
@@ -234,10 +235,13 @@ def test_past_the_slice_a_larger_model_fails_with_llama_cpps_own_out_of_memory_e
 
 
 # A share whose effect no timing noise could hide, and the band its tokens/s must read in, as a part of the same
-# model's without a share: containers a minute apart on two shared cores that other tests keep busy differ by up to
-# a third (`make bench` measures it to 10 % on a quiet machine, where runs are interleaved).
+# model's in the same slice without a share. Other tests keep the machine's two cores busy, and how busy moves
+# within seconds: each is run in rounds, without the share and with it back to back, the order turned every other
+# round (as `make bench` runs them); and since other work can only slow a run down, never speed it up, the fastest
+# run of each is the nearest to what it makes alone, and their ratio is judged.
 SHARE = 500
 SHARE_BAND = (0.3, 0.75)
+SHARE_ROUNDS = 4
 
 
 def completion_rate(ran: Ran) -> float:
@@ -253,8 +257,16 @@ def test_a_compute_share_holds_llama_cpp_to_its_part_of_the_gpus_time(
         llama: Llama, models: Models, module_layer: ServedLayer, inside: Ran, alone: Ran) -> None:
     """llama.cpp's work on lavapipe is the GPU's all but a few percent (its tokens/s follow the GPU's time), so with
     half the GPU's time it makes about half as many tokens a second, and the same tokens."""
-    shared = generate(llama, slice_edits(module_layer, SLICE, SHARE), models.small, TOKENS)
-    assert answer(shared) == answer(inside) == answer(alone)
-    rates = {name: completion_rate(ran) for name, ran in (("shared", shared), ("inside", inside), ("alone", alone))}
-    part = rates["shared"] / ((rates["inside"] + rates["alone"]) / 2)
-    assert SHARE_BAND[0] <= part <= SHARE_BAND[1], f"a {SHARE / 10:g} % share made {100 * part:.0f} %: {rates}"
+    rounds: list[dict[int, float]] = []
+    for round_ in range(SHARE_ROUNDS):
+        rates: dict[int, float] = {}
+        for share in (WHOLE_COMPUTE, SHARE) if round_ % 2 == 0 else (SHARE, WHOLE_COMPUTE):
+            ran = generate(llama, slice_edits(module_layer, SLICE, share), models.small, TOKENS)
+            assert answer(ran) == answer(inside) == answer(alone)
+            rates[share] = completion_rate(ran)
+        rounds.append(rates)
+    fastest = {share: max(rates[share] for rates in rounds) for share in (SHARE, WHOLE_COMPUTE)}
+    part = fastest[SHARE] / fastest[WHOLE_COMPUTE]
+    assert SHARE_BAND[0] <= part <= SHARE_BAND[1], (
+        f"a {SHARE / 10:g} % share made {100 * part:.0f} % (the fastest runs' ratio): tokens/s without and with "
+        f"it, round by round: {rounds}")

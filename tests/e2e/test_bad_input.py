@@ -167,6 +167,43 @@ def test_discover_from_a_server_that_is_not_gpuppetti(other_server: str) -> None
                     "--http-address): /v1/gpus answered JSON that is not a list of GPUs (a JSON dict, not a list)")
 
 
+class _NoApiServer(http.server.BaseHTTPRequestHandler):
+    """A web server that answers 404 to everything, without a Content-Type."""
+
+    def _answer(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "9")
+        self.end_headers()
+        self.wfile.write(b"not found")
+
+    do_GET = do_POST = do_PATCH = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_install_against_a_server_that_is_no_api_server_says_what_answered(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoApiServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(f"apiVersion: v1\nkind: Config\ncurrent-context: x\n"
+                              f"clusters: [{{name: c, cluster: {{server: '{url}'}}}}]\n"
+                              "contexts: [{name: x, context: {cluster: c, user: u}}]\n"
+                              "users: [{name: u, user: {token: t}}]\n")
+        result = run_here("install", "--kubeconfig", str(kubeconfig))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 1, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line == (f"gpuppetti: cannot reach the cluster of context x at {url}: listing Nodes: 404 Not Found, an "
+                    "answer without a Content-Type: not a Kubernetes API server's answer (is this the API server's "
+                    "address?)"), line
+
+
 # A FIFO as the config: opened and read as a file, it blocked until a writer came, in a thread that a stop could
 # neither cancel nor leave behind: start-up hung with SIGTERM ignored, a reload blocked every later one and SIGTERM.
 

@@ -59,9 +59,11 @@ def test_unusable_socket_directory_is_a_clear_error(tmp_path: Path) -> None:
     config.write_text("version: v1\nsimulated:\n  gpus:\n    - {model: X}\n")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    result = run_cli("plugin", "--config", str(config), "--device-plugin-dir", str(blocker / "dp"))
+    result = run_cli("plugin", "--config", str(config), "--device-plugin-dir", str(blocker / "dp"),
+                     "--http-address", "")
     assert result.returncode == 1
-    assert f"cannot create the device plugin directory {blocker / 'dp'}" in result.stderr
+    assert (f"the device plugin directory {blocker / 'dp'} cannot exist: {blocker} is not a directory "
+            "(see --device-plugin-dir)") in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -136,18 +138,22 @@ async def test_the_plugin_logs_the_warning(tmp_path: Path, start_plugin: Callabl
     assert "WARNING" in next(line for line in plugin.log().splitlines() if "no known core count" in line)
 
 
-async def test_a_device_plugin_directory_it_had_to_create_is_named_while_waiting(tmp_path: Path) -> None:
+async def test_a_device_plugin_directory_that_is_not_there_is_waited_for_not_made(tmp_path: Path) -> None:
     # Short: under pytest's base directory (and xdist's worker directory) the socket path could pass the 107 bytes
     # Unix sockets allow.
-    directory = short_tmpdir() / "elsewhere"
+    directory = short_tmpdir() / "elsewhere" / "dp"
     plugin = DaemonProcess(["plugin", "--device-plugin-dir", str(directory)],
                            "version: v1\nsimulated:\n  gpus:\n    - {model: X, vendor: apple}\n", tmp_path, "made")
     try:
-        await plugin.wait_for_log("waiting for the kubelet")
-        waiting = next(line for line in plugin.log().splitlines() if "waiting for the kubelet" in line)
-        assert f"gpuppetti created {directory} at start: is it the kubelet's device plugin directory?" in waiting
+        says = f"waiting for the kubelet's device plugin directory {directory} to exist"
+        await plugin.wait_for_log(says)
         status, body = await asyncio.to_thread(_get_any, await plugin.http_url() + "/healthz")
-        assert status == 503 and f"gpuppetti created {directory}" in body
+        assert status == 503 and says in body and "is --device-plugin-dir the directory of this node's kubelet" in body
+        assert not directory.parent.exists(), "nothing is made in the kubelet's place"
+        # Once the kubelet has made it, the plugin goes on: it waits for the kubelet's socket there.
+        directory.mkdir(parents=True)
+        await plugin.wait_for_log("waiting for the kubelet:", timeout=15)
+        assert plugin.running()
     finally:
         plugin.kill()
 

@@ -75,6 +75,44 @@ async def test_the_token_protects_the_agent(tmp_path: Path) -> None:
     await again.stop()
 
 
+async def test_held_connections_and_requests_without_the_token_leave_the_agent_answering(tmp_path: Path) -> None:
+    # At launchd's soft limit of 256 descriptors: 400 connections that say nothing, and 1,000 requests without the
+    # token. Every ask with the token is answered at once, and the refusals are said in a line or two, not each.
+    port = _free_port()
+    agent = DaemonProcess(["host-agent", "--listen", f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token"),
+                           "--interval", "0.2"], None, tmp_path, "agent", env={"PATH": MACOS_PATH}, open_files=256)
+    held: list[asyncio.StreamWriter] = []
+    try:
+        await agent.wait_for_log("host agent serving /v1/gpus")
+        secret = (tmp_path / "token").read_text().strip()
+        for _ in range(400):
+            held.append((await asyncio.open_connection("127.0.0.1", port))[1])
+        request = f"GET {API_PATH} HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+        for _ in range(1000):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            assert (await reader.read()).startswith(b"HTTP/1.1 401")
+            writer.close()
+        # The token is checked once the headers are in: a body that is announced and never sent waits for nothing.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {API_PATH} HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n".encode())
+        async with asyncio.timeout(1.0):
+            assert (await reader.readline()).startswith(b"HTTP/1.1 401")
+        writer.close()
+        for _ in range(10):
+            async with asyncio.timeout(1.0):
+                status, body = await _get(f"http://127.0.0.1:{port}{API_PATH}", {"Authorization": f"Bearer {secret}"})
+            assert status == 200 and body["gpus"]
+        assert agent.running()
+        refusals = [line for line in agent.log().splitlines() if "without the right token" in line]
+        assert len(refusals) == 1 and "refused 1 request without the right token" in refusals[0], refusals
+        assert len(agent.log().splitlines()) < 20, agent.log()[-3000:]
+    finally:
+        for writer in held:
+            writer.close()
+        agent.kill()
+
+
 def test_token_helpers(tmp_path: Path) -> None:
     path = tmp_path / "dir" / "token"
     value, created = token.load_or_create(path)

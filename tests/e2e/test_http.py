@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,3 +91,85 @@ async def test_a_list_too_big_for_the_kubelet_is_said_not_sent(
         assert status == 503 and "more than the kubelet accepts (4,194,304 bytes" in text, text
         assert kubelet.capacity("apple.com/gpu") == 0
     assert plugin.running()
+
+
+async def test_a_request_whose_client_has_gone_is_dropped_and_held_connections_give_way() -> None:
+    from gpuppetti.base import webserver
+
+    started, dropped = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> webserver.Answer:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            dropped.set()
+            raise
+        return webserver.Answer.text(200, "late\n")
+
+    async def fast() -> webserver.Answer:
+        return webserver.Answer.text(200, "ok\n")
+
+    server = webserver.Server({"/slow": slow, "/healthz": fast})
+    await server.start("127.0.0.1", 0)
+    serving = asyncio.create_task(server.serve())
+    host, port = server.address.rsplit(":", 1)
+    try:
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 5)
+        writer.close()
+        await asyncio.wait_for(dropped.wait(), 5)
+
+        # Twice the cap in connections that say nothing: the oldest give way, and a probe is answered at once.
+        held = [(await asyncio.open_connection(host, int(port)))[1] for _ in range(2 * webserver.MAX_CONNECTIONS)]
+        try:
+            assert await asyncio.wait_for(_get(f"http://{server.address}/healthz"), 2) == (200, "ok\n")
+            assert len(server._open) <= webserver.MAX_CONNECTIONS
+        finally:
+            for writer in held:
+                writer.close()
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+
+
+async def test_slow_pages_for_abandoned_scrapes_are_built_once_and_leave_the_default_executor_free() -> None:
+    # The checkpoint and the CDI specs are written on the loop's default executor: 200 scrapes of a page that takes
+    # half a second to build, each given up on at once, must neither queue there nor be built 200 times.
+    import time
+
+    from gpuppetti.node.httpserver import HttpServer
+    from gpuppetti.node.metrics import Metrics
+
+    built = 0
+
+    def slow() -> list[dict[str, object]]:
+        nonlocal built
+        built += 1
+        time.sleep(0.5)
+        return []
+
+    http = HttpServer(Metrics())
+    http.slices = slow
+    await http.start("127.0.0.1:0")
+    serving = asyncio.create_task(http.serve())
+    host, port = http.address.rsplit(":", 1)
+    try:
+        for _ in range(200):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /v1/slices HTTP/1.1\r\nhost: x\r\n\r\n")
+            await writer.drain()
+            writer.close()
+        began = time.monotonic()
+        await asyncio.to_thread(lambda: None)
+        assert time.monotonic() - began < 0.25, "the default executor waits behind the pages"
+        await asyncio.sleep(1.5)
+        assert built <= 2, f"{built} pages built for clients that had gone"
+        # A client that waits gets a page built after it asked.
+        assert await asyncio.wait_for(_get(f"http://{http.address}/v1/slices"), 5) == (200, "[]")
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving

@@ -119,6 +119,35 @@ async def test_a_hung_claim_read_holds_up_neither_other_claims_nor_unprepare(clu
     assert_agreement(cluster, {hung.uid})
 
 
+async def test_held_connections_and_abandoned_scrapes_leave_prepare_fast(cluster: Cluster) -> None:
+    # At a container runtime's soft limit of 1,024 descriptors: 1,500 connections to the endpoint that say nothing,
+    # then 3,000 scrapes whose clients give up at once. Every Prepare and Unprepare still succeeds at once.
+    driver = cluster.start_driver(open_files=1024)
+    await _registered_and_published(cluster, driver)
+    host, port = (await driver.http_url()).removeprefix("http://").rsplit(":", 1)
+    held = []
+    try:
+        for _ in range(1500):
+            held.append((await asyncio.open_connection(host, int(port)))[1])
+        for n in range(3000):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"GET {'/metrics' if n % 2 else '/v1/slices'} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            writer.close()
+        for n in range(7):
+            claim = await cluster.allocate(f"c{n}", [{"request": "gpu", "device": f"gpu-apple-{n % 2}"}])
+            began = time.monotonic()
+            assert (await cluster.kubelet.prepare([claim]))[DRIVER][claim.uid].error == ""
+            assert (await cluster.kubelet.unprepare([claim], [DRIVER]))[DRIVER][claim.uid].error == ""
+            assert time.monotonic() - began < 1.0, f"Prepare {n} took {time.monotonic() - began:.1f}s"
+        assert driver.running()
+        # Its log is at debug level here: what counts is that running short of descriptors is said once at most.
+        short = [line for line in driver.log().splitlines() if "Too many open files" in line]
+        assert len(short) <= 1, short[:5]
+    finally:
+        for writer in held:
+            writer.close()
+
+
 # -- 3 and 4. full disks -----------------------------------------------------------------------------------------
 
 

@@ -127,3 +127,55 @@ def test_doctor_takes_the_old_mode_deviceplugin_as_plugin(capsys: pytest.Capture
     assert "old spelling of 'plugin'" in capsys.readouterr().err
     assert parse(["doctor", "--mode", "plugin"], {}).mode == "plugin"
     assert capsys.readouterr().err == ""
+
+
+# The layer's directory is mounted read-write at its node path: where another mount of the DaemonSets is, or a
+# system directory, it would be refused by the API server (a duplicate mountPath) or lay itself over the node's
+# root, the kubelet's directories or the image's own files.
+OVERLAPPING_LAYER_DIRS = [
+    ("/host", "is where the DaemonSets mount the node's root"),
+    ("/host/", "/host is where the DaemonSets mount the node's root"),
+    ("/host/var/lib/gpuppetti", "is inside /host, where the DaemonSets mount the node's root"),
+    ("/", "/ holds /host"),
+    ("/var/lib/kubelet", "holds /var/lib/kubelet/device-plugins"),
+    ("/var/lib/kubelet/plugins/vulkan", "is inside /var/lib/kubelet/plugins"),
+    ("/var/run/cdi", "is where the DaemonSets mount the CDI specs"),
+    ("/etc/gpuppetti", "is where the DaemonSets mount the config"),
+    ("/var/run/secrets", "holds /var/run/secrets/gpuppetti-host-agent"),
+    ("/usr/local/lib", "is in /usr, the system's own"),
+    ("/proc/self", "is in /proc, the system's own"),
+    ("/tmp", "is a system directory"),
+    ("/opt", "is a system directory"),
+]
+
+
+@pytest.mark.parametrize(("directory", "says"), OVERLAPPING_LAYER_DIRS)
+@pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"], ["manifests"], ["doctor"]])
+def test_a_layer_dir_over_another_mount_or_a_system_directory_is_refused(
+        command: list[str], directory: str, says: str) -> None:
+    with pytest.raises(UsageError, match="--vulkan-layer-dir") as refused:
+        parse([*command, "--vulkan-layer-dir", directory], {})
+    assert says in str(refused.value) and "give a directory of its own" in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_layer_dir_check_knows_every_mount_of_the_daemonsets() -> None:
+    from gpuppetti.base.nodepaths import DAEMONSET_MOUNTS
+    from gpuppetti.commands import manifests
+
+    for mode in ("plugin", "dra"):
+        for obj in manifests.render(manifests.Options(mode=mode)):
+            if obj["kind"] != "DaemonSet":
+                continue
+            for container in obj["spec"]["template"]["spec"]["containers"]:
+                paths = {mount["mountPath"] for mount in container["volumeMounts"]} - {"/var/lib/gpuppetti/vulkan"}
+                assert paths <= set(DAEMONSET_MOUNTS), paths - set(DAEMONSET_MOUNTS)
+
+
+@pytest.mark.parametrize("command", [["plugin"], ["dra", "--node-name", "n"]])
+def test_a_relative_cdi_dir_is_refused_where_no_runtime_would_look(command: list[str]) -> None:
+    with pytest.raises(UsageError, match="--cdi-dir: 'relcdi': must be an absolute path"):
+        parse([*command, "--cdi-dir", "relcdi"], {})
+    with pytest.raises(UsageError, match="GPUPPETTI_CDI_DIR='relcdi': must be an absolute path"):
+        parse(command, {"GPUPPETTI_CDI_DIR": "relcdi"})
+    assert parse([*command, "--cdi-dir", "/etc/cdi"], {}).cdi_dir == Path("/etc/cdi")

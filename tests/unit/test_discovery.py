@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -237,3 +238,16 @@ def test_the_found_line_names_a_few_gpus_and_counts_the_rest() -> None:
     line = describe(gpus)
     assert line.startswith("sim-apple-0 (M), sim-apple-1 (M)") and line.endswith(" and 992 more"), line
     assert describe(gpus[:2]) == "sim-apple-0 (M), sim-apple-1 (M)"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="on Linux, where there is no system_profiler")
+def test_the_macos_backend_named_where_it_cannot_run_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On Linux without system_profiler: refused as --backend nvml is, not a log line and then the same again.
+    from tests.helpers import run_here
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    result = run_here("discover", "--backend", "macos")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "gpuppetti: backend macos cannot run here: macos: this is not macOS (linux), and system_profiler is not "
+        "on PATH"], result.stderr

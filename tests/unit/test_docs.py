@@ -188,3 +188,13 @@ def test_every_code_block_line_fits_100_columns(doc: Path) -> None:
         elif fence and cell_len(line) > CODE_WIDTH:
             wide.append(f"line {number} ({cell_len(line)} columns)")
     assert not wide, f"{_doc_id(doc)}: code lines wider than {CODE_WIDTH} columns: {wide}"
+
+
+def test_the_mac_guide_makes_the_directories_it_writes_into_and_says_how_to_get_vmnet_helper() -> None:
+    # A fresh account has no ~/Library/LaunchAgents; "the command on minikube's page" is no command.
+    text = (ROOT / "docs" / "apple-silicon.md").read_text()
+    for _, body in fenced_blocks(text):
+        for written in re.findall(r">\s*(~/Library/\S+)/[^/\s]+", body):
+            assert f"mkdir -p {written}" in body.split(f"> {written}")[0], f"{written} is written before it is made"
+    assert "releases/latest/download/install.sh | bash" in text and "minikube.sigs.k8s.io/docs/drivers/krunkit" in text
+    assert "socketfilterfw" in text, "the firewall's question for an agent on 0.0.0.0 is said"

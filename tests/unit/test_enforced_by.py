@@ -8,7 +8,10 @@ import dataclasses
 import importlib.util
 import io
 import json
+import os
 import re
+import time
+import tracemalloc
 from pathlib import Path
 from types import ModuleType
 
@@ -311,3 +314,51 @@ def test_the_device_plugin_which_cannot_hand_a_hook_never_says_dmem() -> None:
     metrics.watch(inventory)
     metrics.enforced(True, hooks=False)
     assert 'enforced_by="vulkan-layer",gpu="sim-x"' in generate_latest(metrics.registry).decode()
+
+
+def test_a_fifo_or_a_huge_file_at_dmem_capacity_is_read_as_a_host_file(tmp_path: Path) -> None:
+    # A FIFO would hang discovery for ever; a file of 64 MiB would be read whole.
+    _xe_host(tmp_path, None)
+    capacity = tmp_path / "sys/fs/cgroup/dmem.capacity"
+    capacity.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(capacity)
+    assert dmem_regions(tmp_path) is None
+    [gpu] = DrmBackend(tmp_path, VirtioSection()).discover()
+    assert gpu.limits == ()
+    capacity.unlink()
+    with capacity.open("wb") as handle:
+        handle.write(b"drm/0000:03:00.0/vram0 12884901888\n")
+        handle.write(b"x" * (64 << 20))
+    tracemalloc.start()
+    try:
+        assert dmem_regions(tmp_path) == {"0000:03:00.0": ("drm/0000:03:00.0/vram0", 12 * GIB)}
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20, "not read whole"
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_toolkit_hook_that_talks_for_ever_or_leaves_children_is_cut_off_at_its_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpuppetti.discovery import nvml
+
+    monkeypatch.setattr(nvml, "HELP_TIMEOUT_S", 1.0)
+    hook = tmp_path / "usr/bin/nvidia-cdi-hook"
+    hook.parent.mkdir(parents=True)
+    child = tmp_path / "child.pid"
+    # A child that holds the output open and outlives the hook, and endless output after the commands' list.
+    hook.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {child}\necho 'COMMANDS: apply-cuda-memory-limits'\n"
+                    "exec yes\n")
+    hook.chmod(0o755)
+    began = time.monotonic()
+    found, why = nvml.toolkit_hook(tmp_path)
+    assert time.monotonic() - began < 3.0
+    assert found is None and "within 1s (killed)" in why, why
+    pid = int(child.read_text())
+    time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], \
+        "the hook's child was ended with it"
+    # A hook that answers and exits, leaving a child behind that holds its output, is read at once.
+    hook.write_text("#!/bin/sh\nsleep 60 &\necho 'COMMANDS: apply-cuda-memory-limits'\n")
+    began = time.monotonic()
+    found, _ = nvml.toolkit_hook(tmp_path)
+    assert found == "/usr/bin/nvidia-cdi-hook" and time.monotonic() - began < 0.9

@@ -61,3 +61,30 @@ def test_many_specs_are_renamed_into_place_from_beside_them(tmp_path: Path, open
 def test_directories_get_their_mode_whatever_the_umask(tmp_path: Path, open_umask: None) -> None:
     make_directory(tmp_path / "a" / "b", 0o755)
     assert {stat.S_IMODE((tmp_path / p).stat().st_mode) for p in ("a", "a/b")} == {0o755}
+
+
+def test_make_directory_follows_no_link_it_did_not_make(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    victim.chmod(0o700)
+    # A link where the directory is to be: refused, and the victim is neither used nor given the directory's mode.
+    (tmp_path / "layer").mkdir()
+    (tmp_path / "layer" / "allocations").symlink_to(victim)
+    with pytest.raises(NotADirectoryError, match="allocations is a link: not following it"):
+        make_directory(tmp_path / "layer" / "allocations", 0o755)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o700
+    # Nor through atomic_write, whose parent is made the same way.
+    (tmp_path / "layer" / "lib").symlink_to(victim)
+    with pytest.raises(NotADirectoryError):
+        atomic_write(tmp_path / "layer" / "lib" / "file", b"x")
+    assert list(victim.iterdir()) == []
+
+
+def test_make_directory_follows_the_links_of_the_parents_that_were_there(tmp_path: Path) -> None:
+    # The node's layout, as /var/run is a link to /run: followed; what is made below it is made in the target.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "run").symlink_to(tmp_path / "run")
+    make_directory(tmp_path / "var" / "run" / "cdi" / "x", 0o750)
+    assert (tmp_path / "run" / "cdi" / "x").is_dir()
+    assert stat.S_IMODE((tmp_path / "run" / "cdi").stat().st_mode) == 0o750

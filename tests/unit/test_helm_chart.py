@@ -281,6 +281,23 @@ def test_values_that_do_not_go_together_fail_as_the_flags_do(
     assert message in str(failure.value)
 
 
+@pytest.mark.parametrize(("directory", "says"), [
+    ("/host", "vulkanLayerDir: /host is where the DaemonSets mount the node's root"),
+    ("//host/", "vulkanLayerDir: /host is where the DaemonSets mount the node's root"),
+    ("/", "vulkanLayerDir: / holds /host"),
+    ("/var/lib/kubelet/plugins/x", "vulkanLayerDir: /var/lib/kubelet/plugins/x is inside /var/lib/kubelet/plugins"),
+    ("/var/lib/kubelet", "vulkanLayerDir: /var/lib/kubelet holds /var/lib/kubelet/device-plugins"),
+    ("/usr/local/lib", "vulkanLayerDir: /usr/local/lib is in /usr, the system's own"),
+    ("/tmp", "vulkanLayerDir: /tmp is a system directory"),
+])
+def test_a_layer_dir_over_another_mount_or_a_system_directory_fails_as_the_flag_does(
+        chart: Any, directory: str, says: str) -> None:
+    with pytest.raises(helm_python.HelmRenderError) as failure:
+        render(chart, {"vulkanLayerDir": directory})
+    assert says in str(failure.value) and "give a directory of its own" in str(failure.value)
+    render(chart, {"vulkanLayerDir": "/opt/gpuppetti/vulkan"})
+
+
 def _configs_shown() -> list[tuple[str, dict[str, Any]]]:
     """Every config the README and the guides show that the daemon takes, and the presets'."""
     found = [(f"preset {name}", yaml.safe_load(manifests.preset_config(name, None))) for name in manifests.PRESETS]

@@ -72,3 +72,11 @@ def test_install_with_a_context_of_its_own_needs_no_current_context(tmp_path: Pa
     assert args.kubeconfig == kubeconfig
     truncated = run_here("install", "--kubeconfig", str(tmp_path / "missing"))
     assert truncated.returncode == 2
+
+
+@pytest.mark.parametrize("command", [["install"], ["dra", "--node-name", "n", "--backend", "simulated"]])
+def test_a_directory_given_as_the_kubeconfig_is_said_to_be_one(tmp_path: Path, command: list[str]) -> None:
+    result = run_here(*command, "--kubeconfig", str(tmp_path))
+    [line] = result.stderr.strip().splitlines()
+    assert result.returncode == 2
+    assert f"--kubeconfig: '{tmp_path}': is a directory: give the kubeconfig file in it" in line, line

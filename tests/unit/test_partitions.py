@@ -97,3 +97,17 @@ def test_each_front_end_derives_and_remarks_on_only_its_own_half() -> None:
     assert [r.path for r in config_remarks(gpus, config, Serves.POOL, driver.snapshot.pool)] == \
         ["dra.partitionLayout"]
     assert len(config_remarks(gpus, config)) == 2, "the commands that show both remark on both"
+
+
+def test_consumed_memory_past_a_64_bit_count_is_the_claims_own_error_and_budgets_never_pass_it() -> None:
+    from gpuppetti.base.quantity import MAX_BYTES
+    from gpuppetti.sharing.budgets import Enforce, share_budgets
+
+    gpus, inventory = _setup("{slicing: consumable}")
+    device = inventory.snapshot.pool.devices["gpu-apple-0"]
+    with pytest.raises(ShareError, match=r"consumedCapacity\.memory '8Ei' is 8Ei or more"):
+        claim_share(device, gpus[0], {"memory": "8Ei"}, "s")
+    # Two shares of one GPU, each within the count, add up past it: the budget is the most it holds.
+    shares = [claim_share(device, gpus[0], {"memory": f"{MAX_BYTES}"}, f"s{n}") for n in range(2)]
+    [budget] = share_budgets(shares, Enforce(memory=True, compute=False))
+    assert budget.memory == MAX_BYTES

@@ -41,3 +41,11 @@ def test_every_form_of_the_kubernetes_grammar(text: str, expected: Fraction) -> 
 def test_quantities_outside_the_grammar(text: str) -> None:
     with pytest.raises(ValueError):
         parse_quantity(text)
+
+
+def test_a_byte_quantity_is_at_most_what_a_64_bit_count_holds() -> None:
+    # The Vulkan layer counts a container's memory in a signed 64-bit integer.
+    assert parse_bytes(2**63 - 1) == 2**63 - 1
+    for value in ("8Ei", 2**63, "9223372036854775808", "100Ei", "1e19"):
+        with pytest.raises(ValueError, match=r"must be less than 8Ei \(at most 9223372036854775807 bytes"):
+            parse_bytes(value)

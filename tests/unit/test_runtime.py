@@ -102,3 +102,23 @@ async def test_a_runtime_that_is_not_its_process_leaves_its_signals_and_umask_an
     assert events == ["duty stopped", "released"]
     assert runtime.stop_reason == "received SIGTERM"
     assert os.umask(umask) == umask
+
+
+def test_a_daemon_raises_its_soft_limit_on_open_files_to_the_hard_one() -> None:
+    # In a process of its own, started at a container runtime's soft limit of 1,024.
+    import resource
+    import subprocess
+    import sys
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit on open files here is {hard}: nothing to raise")
+    code = ("import asyncio, resource\n"
+            "from gpuppetti.base.runtime import Runtime\n"
+            "async def start(runtime): runtime.request_stop('done')\n"
+            "asyncio.run(Runtime().run(start))\n"
+            "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))).stdout
+    soft, after_hard = map(int, out.split())
+    assert soft == after_hard == hard

@@ -13,6 +13,7 @@ entries it takes per call.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -37,21 +38,54 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def make_directory(path: Path, mode: int = 0o755) -> None:
-    """Create ``path`` and its missing parents with ``mode``, whatever the umask; an existing one is left alone."""
-    if os.path.isdir(path):
+def make_directory(path: Path | str, mode: int = 0o755) -> None:
+    """Create ``path`` and its missing parents with ``mode``, whatever the umask; an existing one is left alone.
+
+    Never through a link that it did not make: ``path`` itself must not be a link, and each missing directory is
+    made in its parent's descriptor and opened from there without following a link, so that a link planted at its
+    name meanwhile is refused, not followed. The links among the parents that were there already are the node's
+    layout (``/var/run`` to ``/run``), and are followed. Raises NotADirectoryError naming what is in the way."""
+    target = os.path.abspath(path)
+    missing: list[str] = []
+    existing = target
+    while True:
+        try:
+            found = os.lstat(existing)
+        except FileNotFoundError:
+            head, name = os.path.split(existing)
+            if head == existing:
+                raise
+            missing.append(name)
+            existing = head
+            continue
+        break
+    if not missing:
+        if stat.S_ISLNK(found.st_mode):
+            raise NotADirectoryError(f"{target} is a link: not following it")
+        if not stat.S_ISDIR(found.st_mode):
+            raise NotADirectoryError(f"{target} is not a directory")
         return
-    missing: list[Path] = []
-    current = path
-    while not current.exists() and current != current.parent:
-        missing.append(current)
-        current = current.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory, mode)
-            os.chmod(directory, mode, follow_symlinks=False)
-    if not path.is_dir():
-        raise NotADirectoryError(f"{path} is not a directory")
+    fd = os.open(existing, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in reversed(missing):
+            made = True
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:
+                made = False
+            existing = os.path.join(existing, name)
+            try:
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotADirectoryError(f"{existing} is a link or not a directory: not following it") from None
+                raise
+            os.close(fd)
+            fd = child
+            if made:
+                os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: Path | str, data: bytes | Iterable[bytes], mode: int = 0o644, durable: bool = True,
@@ -123,6 +157,39 @@ def read_untrusted(path: str, limit: int) -> bytes | None:
         return None
     try:
         return os.pread(fd, limit, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+# A sysfs or cgroup file the daemons read is a line or a few hundred: what is past this is not read.
+HOST_FILE_LIMIT = 64 * 1024
+
+
+def read_host_file(path: Path | str, limit: int = HOST_FILE_LIMIT) -> str | None:
+    """The text of a file of the host's, as read_host_bytes reads it; None where it does not."""
+    data = read_host_bytes(path, limit)
+    return None if data is None else data.decode(errors="replace")
+
+
+def read_host_bytes(path: Path | str, limit: int = HOST_FILE_LIMIT) -> bytes | None:
+    """The first ``limit`` bytes of a file of the host's (under ``--host-root``: sysfs, cgroupfs), or None where it
+    is not a regular file or cannot be read. Its path may go through links, as sysfs's do; but what is opened must
+    be a regular file (sysfs's attributes are), opened without blocking (a FIFO would hang the read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        chunks: list[bytes] = []
+        left = limit
+        while left > 0 and (chunk := os.read(fd, min(left, 65536))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
     except OSError:
         return None
     finally:

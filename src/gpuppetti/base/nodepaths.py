@@ -16,6 +16,27 @@ DEFAULT_HTTP_ADDRESS = "127.0.0.1:9400"
 DEFAULT_VULKAN_LAYER_DIR = Path("/var/lib/gpuppetti/vulkan")
 DEFAULT_HOST_AGENT_TOKEN_FILE = "/var/run/secrets/gpuppetti-host-agent/token"
 
+# What the DaemonSets mount besides the Vulkan layer's directory, which is mounted at its node path: the layer's
+# directory may be none of these, nor inside one, nor hold one (a duplicate mountPath the API server refuses, or
+# the layer's read-write mount laid over the node's read-only root).
+DAEMONSET_MOUNTS = {
+    "/host": "the node's root",
+    "/etc/gpuppetti": "the config",
+    str(DEFAULT_DEVICE_PLUGIN_DIR): "the kubelet's device plugin directory",
+    str(DEFAULT_CDI_DIR): "the CDI specs",
+    "/var/run/secrets/gpuppetti-host-agent": "the host agent's token",
+    str(DEFAULT_REGISTRY_DIR): "the kubelet's plugin registry",
+    str(DEFAULT_PLUGINS_DIR): "the kubelet's plugin directory",
+}
+# The system's own trees: the layer's directory is nowhere in them (the container's image and the kernel's files
+# live there).
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                "/boot")
+# Directories that hold far more than the layer: the layer's directory is none of them (each one's parents are in
+# the list too, so none of theirs either).
+SYSTEM_DIRECTORIES = ("/", "/var", "/var/lib", "/var/lib/kubelet", "/var/run", "/run", "/tmp", "/var/tmp", "/home",
+                      "/root", "/opt", "/srv", "/mnt", "/media")
+
 # Where CRI runtimes listen, in the order crictl tries them (k3s keeps its own containerd).
 CRI_SOCKETS = (
     Path("/run/containerd/containerd.sock"),

@@ -65,14 +65,19 @@ def format_quantity(value: Fraction, binary: bool = False) -> str:
     return str(Decimal(value.numerator) / Decimal(value.denominator))
 
 
+# The most bytes a quantity may be: what a signed 64-bit count holds (8Ei less one byte). The Vulkan layer counts
+# a container's memory in one, and Kubernetes' quantities go no further.
+MAX_BYTES = 2**63 - 1
+
+
 def parse_bytes(value: object) -> int:
-    """Parse a byte quantity. Raises ValueError with a message fit for a config error."""
+    """Parse a byte quantity, at most MAX_BYTES. Raises ValueError with a message fit for a config error."""
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"expected a byte quantity such as 48Gi, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"must not be negative, got {value}")
-        return value
+        return _at_most_max(value, value)
     try:
         total = parse_quantity(value)
     except ValueError:
@@ -82,7 +87,14 @@ def parse_bytes(value: object) -> int:
         raise ValueError(f"must not be negative, got {value!r}")
     if total.denominator != 1:
         raise ValueError(f"must be a whole number of bytes, got {value!r}")
-    return total.numerator
+    return _at_most_max(total.numerator, value)
+
+
+def _at_most_max(total: int, given: object) -> int:
+    if total > MAX_BYTES:
+        raise ValueError(f"must be less than 8Ei (at most {MAX_BYTES} bytes, what a 64-bit count holds), "
+                         f"got {given!r}")
+    return total
 
 
 def format_bytes(value: int | None) -> str:

@@ -31,6 +31,29 @@ STOP_DEADLINE_S = 10.0
 REST_S = 1.0
 
 
+# Where the hard limit is unlimited (macOS), the most a soft limit may be there (OPEN_MAX).
+OPEN_MAX = 10240
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open files to the hard one. Container runtimes and launchd start processes at a soft
+    limit of 1,024 or 256 for the sake of select()-era programs; the daemons use epoll and kqueue, and every
+    connection to their endpoint, every gRPC stream and every file they write takes a descriptor."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    for target in (hard, OPEN_MAX) if hard == resource.RLIM_INFINITY else (hard,):
+        if target == resource.RLIM_INFINITY or (soft != resource.RLIM_INFINITY and soft < target):
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError):
+                continue  # macOS refuses unlimited, or more than kern.maxfilesperproc: try less
+            log.debug("open files: soft limit raised from %s to %s", soft, target)
+            return
+
+
 class StartupError(Exception):
     """A long-running command cannot start; the message says why and what to do."""
 
@@ -83,6 +106,7 @@ class Runtime:
         loop = asyncio.get_running_loop()
         if self.whole_process:
             os.umask(UMASK)
+            raise_open_files_limit()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.add_signal_handler(signum, self.on_signal, signum)
             if earlysignals.take_pending_hangup():

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+
+# Not typing's: importing typing costs milliseconds before the early signal handlers are in (mypy knows the name).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:

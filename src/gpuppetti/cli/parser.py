@@ -56,8 +56,8 @@ _HTTP = Opt(("--http-address",), env="GPUPPETTI_HTTP_ADDRESS", convert=values.ht
 
 
 def _cdi_dir(what: str) -> Opt:
-    return Opt(("--cdi-dir",), env="GPUPPETTI_CDI_DIR", convert=values.path, default=DEFAULT_CDI_DIR, metavar="DIR",
-               help=what)
+    return Opt(("--cdi-dir",), env="GPUPPETTI_CDI_DIR", convert=values.cdi_directory, default=DEFAULT_CDI_DIR,
+               metavar="DIR", help=what)
 
 
 def _resources(kind: str) -> str:

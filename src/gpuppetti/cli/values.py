@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import posixpath
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from gpuppetti.base.nodepaths import DAEMONSET_MOUNTS, DEFAULT_VULKAN_LAYER_DIR, SYSTEM_DIRECTORIES, SYSTEM_TREES
 from gpuppetti.base.quantity import parse_quantity
 from gpuppetti.base.syntax import (
     dns_label_problem,
@@ -136,6 +138,15 @@ def path(text: str) -> Path:
     return _path(text)
 
 
+def cdi_directory(text: str) -> Path:
+    """Where CDI specs go: an absolute directory, as the container runtimes read them (a relative one would be made
+    in whatever directory the command ran in, where no runtime looks)."""
+    if text and not text.startswith("/"):
+        raise Bad("must be an absolute path, such as /var/run/cdi or /etc/cdi, where the container runtime reads "
+                  "CDI specs")
+    return _path(text)
+
+
 def _path(text: str) -> Path:
     if not text:
         raise Bad("must not be empty")
@@ -157,6 +168,10 @@ def kubeconfig(text: str, current: bool = True) -> Path:
     if not paths:
         raise Bad("must not be empty")
     if not any(candidate.is_file() for candidate in paths):
+        if len(paths) == 1 and paths[0].is_dir():
+            raise Bad("is a directory: give the kubeconfig file in it (such as ~/.kube/config)")
+        if len(paths) == 1 and paths[0].exists():
+            raise Bad("is not a regular file")
         raise Bad("no such file" if len(paths) == 1 else "none of these files exists")
     # Read whole now: a truncated file or one with no current context is the user's to fix, said before anything
     # starts (exit 2), not a traceback from the first client made.
@@ -240,9 +255,30 @@ def resource_list(text: str) -> dict[str, str] | None:
 
 def host_directory(text: str) -> Path | None:
     """An absolute directory on the node, as a hostPath takes it (the Vulkan layer's, which containers mount);
-    '' for none. The same for the daemons that install there and for the manifests that mount it."""
+    '' for none. The same for the daemons that install there and for the manifests that mount it: a directory of
+    its own, neither a system directory nor one the DaemonSets mount for something else."""
     if not text:
         return None
     if (problem := host_path_problem(text)) is not None:
         raise Bad(f"{problem}, or '' for none")
+    if (problem := layer_directory_problem(text)) is not None:
+        raise Bad(f"{problem}: give a directory of its own, such as {DEFAULT_VULKAN_LAYER_DIR}, or '' for none")
     return Path(text)
+
+
+def layer_directory_problem(text: str) -> str | None:
+    """Why the absolute path ``text`` cannot be the Vulkan layer's directory; None when it can."""
+    path = posixpath.normpath("/" + text.lstrip("/"))
+    for mount, what in DAEMONSET_MOUNTS.items():
+        if path == mount:
+            return f"{path} is where the DaemonSets mount {what}"
+        if path.startswith(mount + "/"):
+            return f"{path} is inside {mount}, where the DaemonSets mount {what}"
+        if mount.startswith(path.rstrip("/") + "/"):
+            return f"{path} holds {mount}, where the DaemonSets mount {what}"
+    if path in SYSTEM_DIRECTORIES:
+        return f"{path} is a system directory"
+    for tree in SYSTEM_TREES:
+        if path == tree or path.startswith(tree + "/"):
+            return f"{path} is in {tree}, the system's own"
+    return None

@@ -30,7 +30,6 @@ import grpc
 
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.base.backoff import Backoff
-from gpuppetti.base.fsutil import make_directory
 from gpuppetti.base.instancelock import InstanceLock
 from gpuppetti.base.nodepaths import KUBELET_SOCKET
 from gpuppetti.base.runtime import Runtime, StartupError
@@ -152,11 +151,13 @@ class DevicePluginManager:
         self._resources: dict[str, _Supervised] = {}
         self.lock = InstanceLock(directory, "device plugin")
         self._kubelet_problem: str | None = None
-        # Said with every wait for the kubelet: a directory the plugin had to create is likely not the kubelet's.
-        self._made_here = ""
+        # What the plugin waits for while the directory is not there (for /healthz).
+        self._directory_missing: str | None = None
 
     def waiting_for(self) -> str | None:
         """None once every resource is registered with the kubelet; else what is missing (for /healthz)."""
+        if self._directory_missing:
+            return self._directory_missing
         if self.lock.waiting_for:
             return self.lock.waiting_for
         if not self._resources:
@@ -169,29 +170,43 @@ class DevicePluginManager:
         return f"not registered with the kubelet: {', '.join(missing)}" if missing else None
 
     def check_directory(self) -> bool:
-        """At start: make sure the directory can hold sockets. Returns whether it had to be created. Raises
-        StartupError when it cannot be used at all (a start-up mistake, not a state to wait out)."""
-        created = not self.directory.exists()
-        try:
-            make_directory(self.directory)
-        except OSError as exc:
-            raise StartupError(f"cannot create the device plugin directory {self.directory}: "
-                                 f"{exc.strerror or exc}") from exc
+        """At start: whether the directory is there and can hold sockets. Raises StartupError when it cannot be
+        used at all (a start-up mistake, not a state to wait out)."""
+        if not self.directory.exists():
+            parent = self.directory.parent
+            while not parent.exists() and parent != parent.parent:
+                parent = parent.parent
+            if not parent.is_dir():
+                raise StartupError(f"the device plugin directory {self.directory} cannot exist: {parent} is not a "
+                                   "directory (see --device-plugin-dir)")
+            return False
+        if not self.directory.is_dir():
+            raise StartupError(f"the device plugin directory {self.directory} is not a directory "
+                               "(see --device-plugin-dir)")
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise StartupError(
                 f"cannot create sockets in {self.directory}: {os.strerror(errno.EACCES)} "
                 "(the plugin needs write access to the kubelet's device plugin directory, usually as root)"
             )
-        return created
+        return True
+
+    async def _until_the_directory_exists(self) -> None:
+        """The kubelet makes its device plugin directory; the plugin makes nothing in its place (one it made would
+        not be the kubelet's, which would never come there), and says what it waits for until it is there."""
+        self._directory_missing = (f"waiting for the kubelet's device plugin directory {self.directory} to exist "
+                                   "(a kubelet makes it when it starts; is --device-plugin-dir the directory of "
+                                   "this node's kubelet?)")
+        log.warning("%s", self._directory_missing)
+        backoff = Backoff(0.2, 5.0)
+        while not self.check_directory():
+            await backoff.wait()
+        self._directory_missing = None
+        log.info("%s is there now", self.directory)
 
     async def run(self, runtime: Runtime) -> None:
         """Take the directory's lock, then spawn the socket watcher and the reconciler as duties."""
-        if self.check_directory():
-            self._made_here = (f" (gpuppetti created {self.directory} at start: is it the kubelet's device plugin "
-                               "directory? see --device-plugin-dir)")
-            log.warning("%s did not exist: created it. A kubelet creates %s there when it starts; until one does, "
-                        "the plugin waits (is --device-plugin-dir the kubelet's device plugin directory?)",
-                        self.directory, KUBELET_SOCKET)
+        if not self.check_directory():
+            await self._until_the_directory_exists()
         await self.lock.acquire()
         runtime.at_end(self.lock.release)
         try:
@@ -251,13 +266,15 @@ class DevicePluginManager:
     async def _watch(self, watching: asyncio.Event) -> None:
         backoff = Backoff(0.2, 5.0)
         while True:
-            try:
-                make_directory(self.directory)
-            except OSError as exc:
-                log.error("the device plugin directory %s is gone and cannot be created (%s); retrying",
-                          self.directory, exc.strerror or exc)
+            if not self.directory.is_dir():
+                # The kubelet's to make again, as it does when it starts: one made here would not be its own.
+                if self._directory_missing is None:
+                    self._directory_missing = (f"the device plugin directory {self.directory} is gone; waiting "
+                                               "for the kubelet to make it again")
+                    log.error("%s", self._directory_missing)
                 await backoff.wait()
                 continue
+            self._directory_missing = None
             async for event in watch_directory(self.directory):
                 if event.change is Change.READY:
                     backoff.reset()
@@ -315,7 +332,7 @@ class DevicePluginManager:
                 kubelet = self._kubelet_identity()
                 if state.current is not None and await self._still_registered(state, kubelet):
                     continue
-                self._mark(name, False, f"waiting for the kubelet{self._made_here}")
+                self._mark(name, False, "waiting for the kubelet")
                 if kubelet is None:
                     await self._wait_for_kubelet(state)
                     continue
@@ -375,8 +392,8 @@ class DevicePluginManager:
             # A kubelet restart takes a moment: said quietly first, loudly while it lasts.
             log.log(logging.WARNING if state.waiting_logged else logging.INFO,
                     "%s: waiting for the kubelet: %s does not exist yet "
-                    "(registering as soon as it appears; re-checking in %.1fs)%s",
-                    state.endpoint.resource, self.kubelet_socket, delay, self._made_here)
+                    "(registering as soon as it appears; re-checking in %.1fs)",
+                    state.endpoint.resource, self.kubelet_socket, delay)
             state.waiting_logged = True
         await _wait(state.wake, delay)
 

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuppetti.base.fsutil import read_host_file
+from gpuppetti.base.quantity import MAX_BYTES
 from gpuppetti.core.config import VirtioSection
 from gpuppetti.core.model import DeviceNode, DriverLimit, Gpu, Mechanism, Vendor
 from gpuppetti.discovery.pciids import find_database, model_name
@@ -34,10 +36,8 @@ _BDF = re.compile(r"^[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 
 
 def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(errors="replace").strip()
-    except OSError:
-        return None
+    text = read_host_file(path)
+    return None if text is None else text.strip()
 
 
 def _read_int(path: Path) -> int | None:
@@ -92,7 +92,7 @@ def dmem_regions(host_root: Path) -> dict[str, tuple[str, int]] | None:
         name, _, size = line.strip().partition(" ")
         kind, _, rest = name.partition("/")
         pci, _, _ = rest.partition("/")
-        if kind != "drm" or not _BDF.fullmatch(pci) or not size.strip().isdigit():
+        if kind != "drm" or not _BDF.fullmatch(pci) or not size.strip().isdigit() or int(size) > MAX_BYTES:
             continue
         regions.setdefault(pci.lower(), (name, int(size.strip())))
     return regions

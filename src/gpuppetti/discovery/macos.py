@@ -135,11 +135,11 @@ class MacosBackend:
     name = "macos"
     polls = True
     authoritative_for: frozenset[Vendor] = frozenset()
-    # Its commands come from PATH, so it runs wherever it is named (the tests run it on Linux).
-    runs_when_named = True
-
     def __init__(self) -> None:
         self._why_not: str | None = None
+        # Its commands come from PATH, so it runs wherever it is named and they are there (the tests run it on
+        # Linux, with stand-ins); elsewhere, naming it is refused in one line.
+        self.runs_when_named = sys.platform == "darwin" or shutil.which(SYSTEM_PROFILER[0]) is not None
 
     def available(self) -> bool:
         # Under `auto` only on a Mac; `--backend macos` runs it anywhere (tests use stand-in commands).
@@ -147,7 +147,8 @@ class MacosBackend:
 
     def looked_at(self) -> str:
         if self._why_not is None and not self.available():
-            return f"macos: this is not macOS ({sys.platform})"
+            missing = "" if self.runs_when_named else f", and {SYSTEM_PROFILER[0]} is not on PATH"
+            return f"macos: this is not macOS ({sys.platform}){missing}"
         return f"macos: {self._why_not or 'system_profiler reported no GPU'}"
 
     def discover(self) -> list[Gpu]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -16,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from gpuppetti.base.processes import HelperFailed, run_helper
 from gpuppetti.core.model import DeviceNode, DriverLimit, Gpu, Health, HealthEvent, Mechanism, Vendor
 from gpuppetti.discovery.drm import numa_node_of
 
@@ -71,6 +71,8 @@ TOOLKIT_COMMAND = "apply-cuda-memory-limits"
 # Where the toolkit installs its hook on the host (packages, the GPU operator's toolkit container).
 TOOLKIT_DIRS = ("usr/bin", "usr/local/bin", "usr/local/nvidia/toolkit", "run/nvidia/toolkit")
 HELP_TIMEOUT_S = 5.0
+# A --help is a few kilobytes: what is read past this is dropped.
+HELP_LIMIT = 256 * 1024
 
 
 def driver_branch(version: str) -> int | None:
@@ -89,10 +91,10 @@ def toolkit_hook(host_root: Path) -> tuple[str | None, str]:
     path = host_root / found[0] / TOOLKIT_HOOK
     host_path = f"/{found[0]}/{TOOLKIT_HOOK}"
     try:
-        answer = subprocess.run([str(path), "--help"], capture_output=True, timeout=HELP_TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
+        _, answer = run_helper([str(path), "--help"], HELP_TIMEOUT_S, HELP_LIMIT)
+    except HelperFailed as exc:
         return None, f"{host_path} --help failed: {exc}"
-    if TOOLKIT_COMMAND.encode() not in answer.stdout + answer.stderr:
+    if TOOLKIT_COMMAND.encode() not in answer:
         return None, f"{host_path} has no {TOOLKIT_COMMAND} command (the NVIDIA container toolkit is too old)"
     return host_path, f"{host_path} {TOOLKIT_COMMAND}"
 

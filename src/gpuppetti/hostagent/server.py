@@ -23,6 +23,8 @@ from gpuppetti.hostagent.token import matches
 
 log = logging.getLogger(__name__)
 
+REFUSALS_LOG_INTERVAL_S = 60.0
+
 
 @dataclass
 class AgentGpu:
@@ -96,6 +98,10 @@ class HostAgent:
         self.collector = collector
         self._interval = interval
         self._server = Server({API_PATH: self._gpus}, guard=self._auth)
+        # Refusals are counted and said at most once an interval: a client that retries without the token must not
+        # fill the Mac's disk with the agent's log.
+        self._refused = 0
+        self._refusals_said_at: float | None = None
 
     @property
     def address(self) -> str:
@@ -104,7 +110,14 @@ class HostAgent:
     def _auth(self, headers: Mapping[str, str], path: str, peer: str) -> Answer | None:
         if matches(self._token, headers.get("authorization")):
             return None
-        log.warning("refused a request from %s without the right token", peer)
+        self._refused += 1
+        now = time.monotonic()
+        if self._refusals_said_at is None or now - self._refusals_said_at >= REFUSALS_LOG_INTERVAL_S:
+            log.warning("refused %d request%s without the right token (the last from %s)%s", self._refused,
+                        "" if self._refused == 1 else "s", peer,
+                        "" if self._refusals_said_at is not None else
+                        f"; further refusals are counted and said at most once every {REFUSALS_LOG_INTERVAL_S:.0f}s")
+            self._refused, self._refusals_said_at = 0, now
         return Answer(401, json.dumps({"error": "a valid bearer token is required"}).encode(), "application/json",
                       {"www-authenticate": 'Bearer realm="gpuppetti-host-agent"'})
 
@@ -127,10 +140,7 @@ class HostAgent:
 
     async def serve(self) -> None:
         """Duty: serve until cancelled, then close the listener."""
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await self.stop()
+        await self._server.serve()
 
     async def stop(self) -> None:
         await self._server.stop()

@@ -3,11 +3,13 @@ loop."""
 
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gpuppetti.base.pagebuilder import PageBuilder
 from gpuppetti.base.webserver import AddressError, Answer, Server, parse_address
 from gpuppetti.node.metrics import Metrics
 
@@ -33,6 +35,11 @@ class HttpServer:
         self.records: Callable[[], list[dict[str, Any]]] = list
         # Each slice a container holds (report.slice_records); called in a thread: it reads files.
         self.slices: Callable[[], list[dict[str, Any]]] = list
+        # The pages that read files are built off the event loop, in a thread of their own (not the loop's default
+        # executor, which writes the checkpoints), one at a time.
+        self._builds = ThreadPoolExecutor(1, thread_name_prefix="http-pages")
+        self._metrics_pages = PageBuilder(self._build_metrics, self._builds)
+        self._slices_pages = PageBuilder(self._build_slices, self._builds)
         self._server = Server({"/healthz": self._healthz, "/readyz": self._healthz, "/livez": self._livez,
                                "/metrics": self._metrics_page, GPUS_PATH: self._gpus,
                                SLICES_PATH: self._slices})
@@ -58,14 +65,19 @@ class HttpServer:
 
     async def _slices(self) -> Answer:
         # Who holds which slice and how much of it: `gpuppetti top` shows it.
-        return Answer.json(await asyncio.to_thread(self.slices))
+        return Answer(200, await self._slices_pages.get(), "application/json")
 
     async def _metrics_page(self) -> Answer:
+        return Answer(200, await self._metrics_pages.get(), CONTENT_TYPE_LATEST)
+
+    def _build_slices(self) -> bytes:
+        return json.dumps(self.slices()).encode()
+
+    def _build_metrics(self) -> bytes:
         from prometheus_client import generate_latest
 
-        # In a thread: rendering a node's pages takes a while, and nothing blocks the event loop.
-        page = await asyncio.to_thread(generate_latest, self._metrics.registry)
-        return Answer(200, page, CONTENT_TYPE_LATEST)
+        # Rendering a node's pages takes a while: called in the endpoint's own thread.
+        return generate_latest(self._metrics.registry)
 
     async def start(self, address: str) -> None:
         host, port = parse_address(address, "--http-address")
@@ -78,6 +90,6 @@ class HttpServer:
     async def serve(self) -> None:
         """The HTTP duty: serve until cancelled, then close the listener."""
         try:
-            await asyncio.Event().wait()
+            await self._server.serve()
         finally:
-            await self._server.stop()
+            self._builds.shutdown(wait=False, cancel_futures=True)

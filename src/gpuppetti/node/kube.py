@@ -104,6 +104,10 @@ def _bad(path: Path, problem: str) -> ConfigError:
 
 
 def _error(exc: BaseException, what: str, timeout: float) -> ApiError:
+    if isinstance(exc, KeyError) and isinstance(exc.__context__, httpx2.HTTPStatusError):
+        # lightkube reads an error answer's Content-Type, and fails with a KeyError where there is none: what
+        # answered is what to say.
+        exc = exc.__context__
     if isinstance(exc, lightkube_errors.ApiError):
         status = exc.status.code or exc.response.status_code
         kind = NotFound if status == 404 else ApiError
@@ -112,6 +116,12 @@ def _error(exc: BaseException, what: str, timeout: float) -> ApiError:
         # An answer that is not the API's own Status (a proxy's, say).
         status = exc.response.status_code
         kind = NotFound if status == 404 else ApiError
+        content_type = exc.response.headers.get("content-type")
+        if content_type is None or not content_type.startswith("application/json"):
+            # Not the API server's own answer, which is JSON: a web server, a proxy or something else is there.
+            answered = f"an answer of {content_type}" if content_type else "an answer without a Content-Type"
+            return kind(f"{what}: {status} {exc.response.reason_phrase}, {answered}: not a Kubernetes API server's "
+                        "answer (is this the API server's address?)", status)
         return kind(f"{what}: {status} {exc.response.reason_phrase}", status)
     if isinstance(exc, httpx2.TimeoutException | TimeoutError):
         return ApiError(f"{what}: no answer within {timeout:g}s")

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from gpuppetti.base.quantity import MAX_BYTES
 from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.sharing.replicas import Unit
 from gpuppetti.sharing.shares import Share
@@ -89,8 +90,10 @@ def _budgets(parts: Sequence[_Part], enforce: Enforce) -> list[Budget]:
     budgets = []
     for gpu_id, gpu in gpus.items():
         share = compute[gpu_id]
+        # Each part is less than 8Ei, but several of one GPU could add up past what the layer's 64-bit count holds;
+        # that many bytes are more than any GPU has: the most the count holds says as much.
         budgets.append(Budget(
-            gpu, (memory[gpu_id] or 0) if enforce.memory else 0,
+            gpu, min(memory[gpu_id] or 0, MAX_BYTES) if enforce.memory else 0,
             _thousandths(share) if enforce.compute and share is not None else WHOLE_COMPUTE))
     limited = any(budget.memory > 0 or budget.compute < WHOLE_COMPUTE for budget in budgets)
     return budgets if limited else []

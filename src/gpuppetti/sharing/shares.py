@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-from gpuppetti.base.quantity import parse_quantity
+from gpuppetti.base.quantity import MAX_BYTES, parse_quantity
 from gpuppetti.core.model import Gpu, Vendor
 from gpuppetti.sharing.pool import PoolDevice, partition_counts
 from gpuppetti.sharing.size import Size
@@ -40,6 +40,9 @@ def claim_share(device: PoolDevice, gpu: Gpu, consumed: Mapping[str, str] | None
         if amounts[name] < 0:
             raise ShareError(f"device {device.name}: consumedCapacity.{name} is negative ({text!r})")
     memory = amounts.get("memory")
+    if memory is not None and memory > MAX_BYTES:
+        raise ShareError(f"device {device.name}: consumedCapacity.memory {consumed['memory']!r} is 8Ei or more, past "
+                         "what a 64-bit count of bytes holds")
     if memory is not None and memory.denominator != 1:
         raise ShareError(f"device {device.name}: consumedCapacity.memory {consumed['memory']!r} is not a whole "
                          "number of bytes")

@@ -179,4 +179,5 @@ refuses the same flags, and a release namespace that is no namespace name. */}}
 {{- if and .Values.config $replicas -}}
 {{- fail "replicas applies to the generated config; set the replicas in config instead" -}}
 {{- end -}}
+{{- include "gpuppetti.layerDir" . -}}
 {{- end }}

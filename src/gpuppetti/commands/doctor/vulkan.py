@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuppetti.base.fsutil import read_host_file
 from gpuppetti.base.processes import run_within
 from gpuppetti.commands.doctor.result import Result, ok, skip, warn
 from gpuppetti.core.model import Gpu, Vendor
@@ -138,10 +139,8 @@ def render_numbers(host_root: Path, gpu: Gpu) -> str | None:
     node = gpu.render_node
     if node is None:
         return None
-    try:
-        return (host_root / "sys/class/drm" / Path(node).name / "dev").read_text().strip() or None
-    except OSError:
-        return None
+    text = read_host_file(host_root / "sys/class/drm" / Path(node).name / "dev")
+    return None if text is None else text.strip() or None
 
 
 def _uuid_hex(uuid: str) -> str:

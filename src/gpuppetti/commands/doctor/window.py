@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuppetti.base.fsutil import read_host_bytes, read_host_file
 from gpuppetti.base.quantity import format_bytes
 from gpuppetti.commands.doctor.result import Result, ok, skip, warn
 from gpuppetti.core.model import Gpu, Vendor
@@ -59,11 +60,7 @@ def is_virtio(gpu: Gpu) -> bool:
 
 
 def _read(path: Path, limit: int = 1 << 16) -> str | None:
-    try:
-        with path.open("rb") as handle:
-            return handle.read(limit).decode(errors="replace")
-    except OSError:
-        return None
+    return read_host_file(path, limit)
 
 
 def _debugfs_dirs(host_root: Path, gpu: Gpu) -> list[Path]:
@@ -129,10 +126,9 @@ def from_pci(host_root: Path, gpu: Gpu) -> Window | str | None:
     if not gpu.pci_address:
         return None
     path = host_root / "sys/bus/pci/devices" / gpu.pci_address / "config"
-    try:
-        config = path.read_bytes()[:4096]
-    except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
+    config = read_host_bytes(path, 4096)
+    if config is None:
+        return f"{path}: cannot be read as a file"
     if len(config) < 256:
         return f"{path}: only {len(config)} bytes readable (the capabilities need root)"
     length = shared_memory_length(config)
