@@ -146,6 +146,8 @@ OVERLAPPING_LAYER_DIRS = [
     ("/proc/self", "is in /proc, the system's own"),
     ("/tmp", "is a system directory"),
     ("/opt", "is a system directory"),
+    # The ledgers' sockets are made under it: a socket's path is at most 107 bytes.
+    ("/var/lib/" + "gpuppetti-" * 8, "is too long: the ledgers' sockets are made under it"),
 ]
 
 

@@ -11,7 +11,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from gpuppetti.base.nodepaths import DAEMONSET_MOUNTS, DEFAULT_VULKAN_LAYER_DIR, SYSTEM_DIRECTORIES, SYSTEM_TREES
+from gpuppetti.base.nodepaths import (
+    DAEMONSET_MOUNTS,
+    DEFAULT_VULKAN_LAYER_DIR,
+    LAYER_DIR_MAX_BYTES,
+    SYSTEM_DIRECTORIES,
+    SYSTEM_TREES,
+)
 from gpuppetti.base.quantity import parse_quantity
 from gpuppetti.base.syntax import (
     dns_label_problem,
@@ -276,6 +282,9 @@ def layer_directory_problem(text: str) -> str | None:
             return f"{path} is inside {mount}, where the DaemonSets mount {what}"
         if mount.startswith(path.rstrip("/") + "/"):
             return f"{path} holds {mount}, where the DaemonSets mount {what}"
+    if len(path.encode()) > LAYER_DIR_MAX_BYTES:
+        return (f"{path} is too long: the ledgers' sockets are made under it, and a socket's path is short (at "
+                f"most {LAYER_DIR_MAX_BYTES} bytes here)")
     if path in SYSTEM_DIRECTORIES:
         return f"{path} is a system directory"
     for tree in SYSTEM_TREES:

@@ -2,7 +2,8 @@
 
 An allocation's directory holds its socket alone, and only the daemon writes there: containers mount it read-only,
 which connect(2) works through, and a directory mount (not the socket's file) sees a socket a restarted daemon binds
-anew. A socket is bound through its directory's descriptor, as a socket's path may not pass 107 bytes.
+anew. A socket is bound under a short name and renamed into its directory, as a socket's path may not pass 107
+bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import stat
 from collections.abc import Iterator, Sequence
@@ -44,25 +46,24 @@ class Ledgers:
         make_private_directory(self.root)
         directory = self.directory(allocation)
         make_private_directory(directory)
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Bound under a short name beside the directories, then renamed into place (which replaces an earlier
+        # socket at once): a socket's path may not pass 107 bytes, and an allocation's path under a long layer
+        # directory does (a DRA request's name alone may take 63).
+        bound = self.root / f".bind-{secrets.token_hex(6)}"  # LAYER_DIR_MAX_BYTES counts on this name
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(SOCKET_NAME, dir_fd=fd)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            try:
-                # Through the directory's descriptor: a socket's path may not pass 107 bytes, and an allocation's
-                # directory under a long layer directory does.
-                listener.bind(f"/proc/self/fd/{fd}/{SOCKET_NAME}")
-                # Any user a container runs as connects (connect() needs write permission on the socket).
-                os.chmod(SOCKET_NAME, 0o666, dir_fd=fd, follow_symlinks=False)
-                listener.listen(MAX_CONNECTIONS)
-                listener.setblocking(False)
-            except OSError:
-                listener.close()
-                raise
-            return listener
-        finally:
-            os.close(fd)
+            listener.bind(str(bound))
+            # Any user a container runs as connects (connect() needs write permission on the socket).
+            os.chmod(bound, 0o666)
+            os.rename(bound, directory / SOCKET_NAME)
+            listener.listen(MAX_CONNECTIONS)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(bound)
+            raise
+        return listener
 
     async def serve(self, allocation: str, listener: socket.socket, terms: Sequence[Terms],
                     restored: bool = False) -> Ledger:
