@@ -322,6 +322,12 @@ def dra_driver(options: Options) -> list[dict[str, Any]]:
               "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
              # list: a kubelet call that names many claims of one namespace reads them in one request.
              {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list"]},
+             # The claims' status.devices entries of the devices it prepares, applied server-side: the status
+             # subresource, and (Kubernetes 1.36's granular status authorization) this driver's entries on claims
+             # of its own node only.
+             {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/status"], "verbs": ["patch"]},
+             {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"], "resourceNames": [DRIVER],
+              "verbs": ["associated-node:patch"]},
              {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
          ]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",

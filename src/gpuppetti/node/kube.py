@@ -88,6 +88,18 @@ class _WrittenSlice(msgspec.Struct, lightkube_resource.GlobalResource, kw_only=T
     spec: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
 
 
+class _ClaimStatus(msgspec.Struct, lightkube_resource.NamespacedSubResource, kw_only=True, omit_defaults=True):
+    """A claim's status, as the driver applies its own entries of it; the answer is read for its metadata alone."""
+
+    _api_info = lightkube_resource.ApiInfo(
+        resource=lightkube_resource.ResourceDef("resource.k8s.io", "v1", "ResourceClaim"),
+        parent=lightkube_resource.ResourceDef("resource.k8s.io", "v1", "ResourceClaim"), plural="resourceclaims",
+        verbs=["patch"], action="status")
+    apiVersion: str = "resource.k8s.io/v1"
+    kind: str = "ResourceClaim"
+    metadata: _Meta = msgspec.field(default_factory=_Meta)
+
+
 class NotFound(ApiError):
     pass
 
@@ -223,6 +235,17 @@ class Kube:
                     yield item
         except FAILURES as exc:  # msgspec.ValidationError is a ValueError: an answer that is not what it says
             raise _error(exc, f"listing the ResourceClaims of namespace {namespace}", self._timeout) from None
+
+    async def apply_claim_status(self, namespace: str, name: str, uid: str, manager: str,
+                                 devices: list[dict[str, Any]]) -> None:
+        """Make ``devices`` the entries of ResourceClaim ``namespace/name``'s ``status.devices`` that ``manager``
+        owns, by a server-side apply of its status: entries it applied before and leaves out now are removed, other
+        managers' entries are kept. ``uid`` is a precondition: a claim replaced meanwhile fails with 409."""
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": namespace, "uid": uid}, "status": {"devices": devices}}
+        await self._call(f"writing the status of ResourceClaim {namespace}/{name}", self._client.patch(
+            _ClaimStatus, name, body, namespace=namespace, patch_type=PatchType.APPLY, field_manager=manager,
+            force=True))
 
     async def node_uid(self, node: str) -> str:
         found = await self._call(f"reading Node {node}", self._client.get(_Node, node))
