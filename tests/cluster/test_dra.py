@@ -294,12 +294,32 @@ def test_claim_status_says_what_was_prepared_and_unprepare_clears_it(
         node.delete("pod", "token-anchor", "-n", "gpuppetti", "--grace-period=0", "--force")
 
 
-def test_extended_resource_bridge_serves_the_vendor_resource(node: RealNode, workdir: Path, classes: None) -> None:
-    start(node, workdir, config("whole"))
+@pytest.mark.parametrize(("slicing", "extra", "sharing", "memory"), [
+    ("whole", "", "time-slicing", 48),
+    ("consumable", "", "consumable", 12),
+    ("partitions", "", "partition", 12),
+    ("partitions", "  partitionLayout: counters\n", "partition", 12),
+    ("partitions", "  defaultPartition: 1\n", "time-slicing", 48),
+], ids=["whole", "consumable", "partitions", "partitions-counters", "partitions-default-whole"])
+def test_extended_resource_bridge_serves_a_plain_limit_whatever_the_slicing(
+        node: RealNode, workdir: Path, classes: None, slicing: str, extra: str, sharing: str, memory: int) -> None:
+    """One pod spec, `apple.com/gpu: 1` in its limits, as on a device plugin's node: a whole GPU, a consumable
+    share of 1/shares, or the default partition (dra.defaultPartition: the smallest unless chosen)."""
+    start(node, workdir, config(slicing, extra=extra))
     node.apply([pod("bridged", limits={"apple.com/gpu": 1})])
     node.wait_running("bridged")
     env = node.env_of("bridged")
     assert env["GPUPPETTI_VISIBLE_DEVICES"] in ("sim-apple-0", "sim-apple-1")
+    assert (env["GPUPPETTI_SHARING"], env["GPUPPETTI_MEMORY"]) == (sharing, str(memory * 2**30))
+    # The claim the scheduler made for the limit says the same in its status (docs/dra.md's commands).
+    claim = node.kubectl("get", "pod", "bridged", "-o",
+                         "jsonpath={.status.extendedResourceClaimStatus.resourceClaimName}").strip()
+
+    def data() -> dict[str, str] | None:
+        entries = node.get("resourceclaims", claim)["status"].get("devices") or []
+        return entries[0]["data"] if entries else None
+
+    assert wait_for(f"ResourceClaim {claim}'s status", data, 30)["memory"] == f"{memory}Gi"
 
 
 def test_device_classes_follow_the_vendor(node: RealNode, workdir: Path, classes: None) -> None:

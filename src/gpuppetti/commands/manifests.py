@@ -288,7 +288,9 @@ def device_classes() -> list[dict[str, Any]]:
     """The generic class, the partition class, and one class per vendor named after its extended resource."""
     driver = f"device.driver == '{DRIVER}'"
     attrs = f"device.attributes['{DRIVER}']"
-    whole = f"(!('partitions' in {attrs}) || {attrs}.partitions == 1)"
+    # What a claim that names no partition gets: a whole GPU, or on a partitions node the device the driver marks
+    # byDefault (dra.defaultPartition), so that a plain resources.limits is served whatever the node's slicing.
+    whole = f"('byDefault' in {attrs} ? {attrs}.byDefault : (!('partitions' in {attrs}) || {attrs}.partitions == 1))"
     classes = [
         _device_class(DRIVER, driver),
         _device_class(f"partition.{DRIVER}", f"{driver} && 'partitions' in {attrs} && {attrs}.partitions > 1"),
