@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx2
 import msgspec
 from lightkube import AsyncClient
+from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core import exceptions as lightkube_errors
 from lightkube.core import resource as lightkube_resource
@@ -204,6 +207,60 @@ def _slice_object(body: ResourceSliceBody) -> _WrittenSlice:
     return _WrittenSlice(apiVersion=body["apiVersion"], kind=body["kind"],
                          metadata=msgspec.convert(body["metadata"], _Meta),
                          spec=msgspec.Raw(msgspec.json.encode(body["spec"])))
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the API server says of itself: its version, and its feature gates where its /metrics may be read."""
+
+    version: str
+    # (major, minor), None when the version does not say.
+    release: tuple[int, int] | None
+    # Each gate's state; None when /metrics cannot be read (``gates_problem`` says why).
+    gates: dict[str, bool] | None
+    gates_problem: str = ""
+
+
+_RELEASE = re.compile(r"v?(\d+)\.(\d+)")
+
+
+async def server_facts(config: KubeConfig, timeout: float = REQUEST_TIMEOUT_S) -> ServerFacts:
+    """The API server's /version and the kubernetes_feature_enabled series of its /metrics (a non-resource path:
+    an account needs ``get`` on it, which admins have and the daemons' accounts do not). Raises ApiError when the
+    version cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # lightkube makes no request of a non-resource path: its adapter gives an HTTP client with the kubeconfig's
+    # server, credentials and trust.
+    try:
+        current = config.get()
+        if current is None:
+            raise ApiError("the kubeconfig names no current context")
+        http = client_adapter.AsyncClient(current, client_adapter.ConnectionParams(timeout=httpx2.Timeout(timeout)))
+    except FAILURES as exc:
+        raise _error(exc, "connecting to the API server", timeout) from None
+    async with http:
+        try:
+            answer = await http.get("/version")
+            answer.raise_for_status()
+            version = str(answer.json().get("gitVersion", ""))
+        except FAILURES as exc:
+            raise _error(exc, "reading the API server's /version", timeout) from None
+        found = _RELEASE.match(version)
+        release = (int(found[1]), int(found[2])) if found else None
+        try:
+            answer = await http.get("/metrics")
+            answer.raise_for_status()
+        except httpx2.HTTPStatusError as exc:
+            return ServerFacts(version, release, None, f"its /metrics answered {exc.response.status_code}")
+        except FAILURES as exc:
+            return ServerFacts(version, release, None, str(_error(exc, "reading /metrics", timeout)))
+    gates: dict[str, bool] = {}
+    for family in text_string_to_metric_families(answer.text):
+        if family.name == "kubernetes_feature_enabled":
+            for sample in family.samples:
+                gates[sample.labels.get("name", "")] = sample.value == 1
+    return ServerFacts(version, release, gates)
 
 
 class Kube:
