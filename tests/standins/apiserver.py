@@ -3,8 +3,9 @@
 It serves the core/v1 and resource.k8s.io/v1 paths that gpuppetti uses and behaves like the real server where
 that matters to a client: resourceVersions that move on every write, optimistic-concurrency conflicts, status
 subresources, label and field selectors, watches that replay from a resourceVersion (or answer 410 Gone when it
-is too old), and every written object validated before it is stored. Server-side apply is served for the one field
-the driver applies, a ResourceClaim's ``status.devices``: each field manager's entries, keyed as the API keys them.
+is too old), and every written object validated before it is stored. Server-side apply of a ResourceClaim's status
+is served as the API serves it for ``status.devices``: each field manager's entries, keyed as the API keys them;
+any other apply is taken as a merge patch.
 """
 
 from __future__ import annotations
@@ -422,8 +423,8 @@ class ApiStandIn:
     ) -> dict[str, Any]:
         if request.content_type == "application/json-patch+json":
             raise ApiError(415, "UnsupportedMediaType", "JSON patch is not supported here; use a merge patch")
-        if request.content_type == "application/apply-patch+yaml":
-            return await self._apply_claim_status(request, kind, namespace, name, status)
+        if request.content_type == "application/apply-patch+yaml" and kind.plural == "resourceclaims" and status:
+            return await self._apply_claim_status(request, kind, namespace, name)
         current = self._get(kind, namespace, name)
         patched = merge_patch(current, await self._body(request))
         patched["metadata"] = {**patched.get("metadata", {}), "resourceVersion": current["metadata"]["resourceVersion"]}
@@ -433,15 +434,11 @@ class ApiStandIn:
             patched["status"] = current.get("status")
         return await self._update(kind, namespace, name, patched, status=False)
 
-    async def _apply_claim_status(
-        self, request: web.Request, kind: Kind, namespace: str, name: str, status: bool
-    ) -> dict[str, Any]:
+    async def _apply_claim_status(self, request: web.Request, kind: Kind, namespace: str, name: str) -> dict[str, Any]:
         """Server-side apply of a claim's ``status.devices`` (a list keyed by driver, pool, device and shareID):
         the manager's entries become those it applies, entries it applied before and leaves out are removed, and
         other managers' entries stay. As the API server: the manager is required, the uid is a precondition, and
         every entry must name a device the claim is allocated."""
-        if kind.plural != "resourceclaims" or not status:
-            raise ApiError(415, "UnsupportedMediaType", "apply is served here only for a ResourceClaim's status")
         manager = request.query.get("fieldManager", "")
         if not manager:
             raise ApiError(400, "BadRequest", "PATCH /status: fieldManager is required for apply requests")
