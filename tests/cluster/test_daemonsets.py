@@ -143,5 +143,15 @@ def test_both_daemonsets_run_from_the_image_one_mode_per_node(
                 pod("dra-user", claims=[("gpu", "template", "one")])])
     node.wait_running("dra-user")
     assert node.env_of("dra-user")["GPUPPETTI_VISIBLE_DEVICES"] in ("sim-apple-0", "sim-apple-1")
+    # The claim's status, written with the shipped RBAC and the pod's own token (Kubernetes 1.36 checks that the
+    # driver writes only its own entries, from the claim's node).
+    [claim] = [c["metadata"]["name"] for c in node.get("resourceclaims")["items"]
+               if c["metadata"]["name"].startswith("dra-user-")]
+
+    def ready() -> list[Any] | None:
+        entries = node.get("resourceclaims", claim)["status"].get("devices") or []
+        return [c for e in entries for c in e.get("conditions", []) if c["type"] == "Ready"] or None
+
+    assert wait_for(f"ResourceClaim {claim}'s Ready condition", ready, 30)[0]["status"] == "True"
     node.delete("pod", "dra-user")
     node.delete("resourceclaimtemplate", "one")

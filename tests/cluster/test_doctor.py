@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.cluster.realnode import RealNode
 from tests.helpers import run_cli, short_tmpdir
@@ -105,3 +106,29 @@ def test_containerd_23_with_cdi_switched_off(realnode: RealNode) -> None:
     assert (cdi["status"], code) == ("fail", 1), cdi
     assert cdi["detail"].startswith("CDI is off in containerd 2.3.4")
     assert "enable_cdi = true" in cdi["fix"]
+
+
+def test_doctor_says_which_dra_features_the_cluster_allows(node: RealNode, workdir: Path) -> None:
+    features = ("claim status", "device health in pod status", "plain limits through DRA",
+                "consumable shares and partitions", "partitions in the counters layout")
+    # An admin's kubeconfig: the API server's own gates, from its /metrics.
+    _, checks = doctor("--mode", "dra", "--kubeconfig", str(node.kubeconfig))
+    assert checks["cluster"]["detail"] == "Kubernetes v1.36.2; its feature gates read from the API server's /metrics"
+    for feature in features:
+        assert checks[f"cluster: {feature}"]["status"] == "ok", checks[f"cluster: {feature}"]
+        assert " on; see it: kubectl " in checks[f"cluster: {feature}"]["detail"]
+    # An account that may not read /metrics: the release's defaults, and it says so.
+    node.kubectl("create", "serviceaccount", "doctor-reader", check=False)
+    try:
+        token = node.kubectl("create", "token", "doctor-reader").strip()
+        config = yaml.safe_load(node.kubeconfig.read_text())
+        config["users"] = [{"name": "reader", "user": {"token": token}}]
+        for context in config["contexts"]:
+            context["context"]["user"] = "reader"
+        (workdir / "reader.kubeconfig").write_text(yaml.safe_dump(config))
+        _, checks = doctor("--mode", "dra", "--kubeconfig", str(workdir / "reader.kubeconfig"))
+        assert "assumed to be their defaults: its /metrics answered 403" in checks["cluster"]["detail"]
+        assert checks["cluster: plain limits through DRA"]["detail"].startswith(
+            "DRAExtendedResource on by default from 1.36")
+    finally:
+        node.kubectl("delete", "serviceaccount", "doctor-reader", "--ignore-not-found")

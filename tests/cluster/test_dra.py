@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.realnode import CDI_DIR, REPO, Daemon, RealNode, pod, wait_for, write_config
+from tests.cluster.realnode import BUSYBOX, CDI_DIR, REPO, Daemon, RealNode, pod, wait_for, write_config
 
 DRIVER = "gpu.gpuppetti.dev"
 SPEC_PREFIX = "gpu.gpuppetti.dev-gpu_"
@@ -238,12 +238,88 @@ def test_unhealthy_gpu_shows_in_the_pod_status(node: RealNode, workdir: Path, cl
     assert statuses[0]["name"].startswith("claim:"), statuses
 
 
-def test_extended_resource_bridge_serves_the_vendor_resource(node: RealNode, workdir: Path, classes: None) -> None:
-    start(node, workdir, config("whole"))
+def driver_kubeconfig(node: RealNode, workdir: Path) -> Path:
+    """A kubeconfig with a token of the driver's ServiceAccount bound to a pod on this node, as the DaemonSet's pod
+    gets: the shipped RBAC, and the node the API server ties its associated-node permissions to."""
+    node.apply([{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "token-anchor", "namespace": "gpuppetti"},
+                 "spec": {"serviceAccountName": "gpuppetti-dra", "terminationGracePeriodSeconds": 1,
+                          "containers": [{"name": "c", "image": BUSYBOX, "imagePullPolicy": "Never",
+                                          "command": ["sleep", "3600"]}]}}])
+    node.wait_running("token-anchor", namespace="gpuppetti")
+    token = node.kubectl("-n", "gpuppetti", "create", "token", "gpuppetti-dra", "--bound-object-kind", "Pod",
+                         "--bound-object-name", "token-anchor").strip()
+    config = yaml.safe_load(node.kubeconfig.read_text())
+    config["users"] = [{"name": "driver", "user": {"token": token}}]
+    for context in config["contexts"]:
+        context["context"]["user"] = "driver"
+    path = workdir / "driver.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_claim_status_says_what_was_prepared_and_unprepare_clears_it(
+        node: RealNode, workdir: Path, classes: None) -> None:
+    kubeconfig = driver_kubeconfig(node, workdir)
+    try:
+        path = write_config(workdir, "dra.yaml", config("partitions"))
+        daemon = node.gpuppetti("gpuppetti-dra", "dra", "--config", str(path), "--node-name", node.name,
+                                "--kubeconfig", str(kubeconfig), "--http-address", "127.0.0.1:0")
+        daemon.wait_ready()
+        node.apply([{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "quarter"},
+                     "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                         "deviceClassName": f"partition.{DRIVER}", "capacity": {"requests": {"memory": "12Gi"}}}}]}}},
+                    pod("holder", claims=[("gpu", "claim", "quarter")])])
+        node.wait_running("holder")
+        env = node.env_of("holder")
+
+        def entry() -> dict[str, Any] | None:
+            found = node.get("resourceclaims", "quarter")["status"].get("devices") or []
+            return next((e for e in found if e["driver"] == DRIVER), None)
+
+        written = wait_for("the driver's entry in the claim's status.devices", entry, 30)
+        [result] = node.get("resourceclaims", "quarter")["status"]["allocation"]["devices"]["results"]
+        assert (written["pool"], written["device"], written["shareID"]) == (
+            result["pool"], result["device"], result["shareID"])
+        [ready] = written["conditions"]
+        assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True", "Prepared")
+        data = written["data"]
+        assert (data["memory"], data["cores"], data["computeShare"]) == ("12Gi", "10", "25%")
+        assert data["gpu"] == env["GPUPPETTI_VISIBLE_DEVICES"]
+        assert data["enforcedBy"] == env.get("GPUPPETTI_ENFORCED_BY"), "what the container was told"
+
+        node.delete("pod", "holder")
+        wait_for("the driver's entry gone after Unprepare", lambda: entry() is None, 60)
+        assert "the status of ResourceClaim" not in daemon.log(), "no write failed"
+    finally:
+        node.delete("pod", "token-anchor", "-n", "gpuppetti", "--grace-period=0", "--force")
+
+
+@pytest.mark.parametrize(("slicing", "extra", "sharing", "memory"), [
+    ("whole", "", "time-slicing", 48),
+    ("consumable", "", "consumable", 12),
+    ("partitions", "", "partition", 12),
+    ("partitions", "  partitionLayout: counters\n", "partition", 12),
+    ("partitions", "  defaultPartition: 1\n", "time-slicing", 48),
+], ids=["whole", "consumable", "partitions", "partitions-counters", "partitions-default-whole"])
+def test_extended_resource_bridge_serves_a_plain_limit_whatever_the_slicing(
+        node: RealNode, workdir: Path, classes: None, slicing: str, extra: str, sharing: str, memory: int) -> None:
+    """One pod spec, `apple.com/gpu: 1` in its limits, as on a device plugin's node: a whole GPU, a consumable
+    share of 1/shares, or the default partition (dra.defaultPartition: the smallest unless chosen)."""
+    start(node, workdir, config(slicing, extra=extra))
     node.apply([pod("bridged", limits={"apple.com/gpu": 1})])
     node.wait_running("bridged")
     env = node.env_of("bridged")
     assert env["GPUPPETTI_VISIBLE_DEVICES"] in ("sim-apple-0", "sim-apple-1")
+    assert (env["GPUPPETTI_SHARING"], env["GPUPPETTI_MEMORY"]) == (sharing, str(memory * 2**30))
+    # The claim the scheduler made for the limit says the same in its status (docs/dra.md's commands).
+    claim = node.kubectl("get", "pod", "bridged", "-o",
+                         "jsonpath={.status.extendedResourceClaimStatus.resourceClaimName}").strip()
+
+    def data() -> dict[str, str] | None:
+        entries = node.get("resourceclaims", claim)["status"].get("devices") or []
+        return entries[0]["data"] if entries else None
+
+    assert wait_for(f"ResourceClaim {claim}'s status", data, 30)["memory"] == f"{memory}Gi"
 
 
 def test_device_classes_follow_the_vendor(node: RealNode, workdir: Path, classes: None) -> None:

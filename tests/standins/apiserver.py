@@ -3,7 +3,9 @@
 It serves the core/v1 and resource.k8s.io/v1 paths that gpuppetti uses and behaves like the real server where
 that matters to a client: resourceVersions that move on every write, optimistic-concurrency conflicts, status
 subresources, label and field selectors, watches that replay from a resourceVersion (or answer 410 Gone when it
-is too old), and every written object validated before it is stored.
+is too old), and every written object validated before it is stored. Server-side apply of a ResourceClaim's status
+is served as the API serves it for ``status.devices``: each field manager's entries, keyed as the API keys them;
+any other apply is taken as a merge patch.
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ class ApiStandIn:
     url: str = ""
     fault: Fault | None = None
     _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    # The keys of the status.devices entries each field manager applied, by claim uid and manager.
+    _applied: dict[tuple[str, str], set[tuple[str, ...]]] = field(default_factory=dict)
 
     # -- running ------------------------------------------------------------------------------------------
 
@@ -419,6 +423,8 @@ class ApiStandIn:
     ) -> dict[str, Any]:
         if request.content_type == "application/json-patch+json":
             raise ApiError(415, "UnsupportedMediaType", "JSON patch is not supported here; use a merge patch")
+        if request.content_type == "application/apply-patch+yaml" and kind.plural == "resourceclaims" and status:
+            return await self._apply_claim_status(request, kind, namespace, name)
         current = self._get(kind, namespace, name)
         patched = merge_patch(current, await self._body(request))
         patched["metadata"] = {**patched.get("metadata", {}), "resourceVersion": current["metadata"]["resourceVersion"]}
@@ -427,6 +433,47 @@ class ApiStandIn:
         if kind.status:
             patched["status"] = current.get("status")
         return await self._update(kind, namespace, name, patched, status=False)
+
+    async def _apply_claim_status(self, request: web.Request, kind: Kind, namespace: str, name: str) -> dict[str, Any]:
+        """Server-side apply of a claim's ``status.devices`` (a list keyed by driver, pool, device and shareID):
+        the manager's entries become those it applies, entries it applied before and leaves out are removed, and
+        other managers' entries stay. As the API server: the manager is required, the uid is a precondition, and
+        every entry must name a device the claim is allocated."""
+        manager = request.query.get("fieldManager", "")
+        if not manager:
+            raise ApiError(400, "BadRequest", "PATCH /status: fieldManager is required for apply requests")
+        body = await self._body(request)
+        current = self._get(kind, namespace, name)
+        uid = current["metadata"]["uid"]
+        if body.get("metadata", {}).get("uid", uid) != uid:
+            raise ApiError(409, "Conflict", f"Precondition failed: UID in precondition: {body['metadata']['uid']}, "
+                                            f"UID in object meta: {uid}")
+        applied = (body.get("status") or {}).get("devices") or []
+
+        def key(entry: dict[str, Any]) -> tuple[str, ...]:
+            return (entry.get("driver", ""), entry.get("pool", ""), entry.get("device", ""),
+                    entry.get("shareID", ""))
+
+        claim_status = copy.deepcopy(current.get("status") or {})
+        results = (claim_status.get("allocation") or {}).get("devices", {}).get("results", [])
+        allocated = {(r["driver"], r["pool"], r["device"], r.get("shareID", "")) for r in results}
+        for entry in applied:
+            if key(entry) not in allocated:
+                raise ApiError(422, "Invalid", f'ResourceClaim.resource.k8s.io "{name}" is invalid: '
+                                               f"status.devices: Invalid value: {key(entry)}: must be an allocated "
+                                               "device in the claim")
+        owned = self._applied.get((uid, manager), set())
+        new = {key(entry): entry for entry in applied}
+        kept = [entry for entry in claim_status.get("devices", [])
+                if key(entry) not in new and key(entry) not in owned]
+        devices = kept + list(new.values())
+        if devices:
+            claim_status["devices"] = devices
+        else:
+            claim_status.pop("devices", None)
+        stored = await self._update(kind, namespace, name, {**current, "status": claim_status}, status=True)
+        self._applied[(uid, manager)] = set(new)
+        return stored
 
     async def _wait_past(self, position: int, timeout: float) -> bool:
         async with self._changed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Any
 
 import pytest
 
@@ -111,3 +112,45 @@ def test_consumed_memory_past_a_64_bit_count_is_the_claims_own_error_and_budgets
     shares = [claim_share(device, gpus[0], {"memory": f"{MAX_BYTES}"}, f"s{n}") for n in range(2)]
     [budget] = share_budgets(shares, Enforce(memory=True, compute=False))
     assert budget.memory == MAX_BYTES
+
+
+@pytest.mark.parametrize(("dra", "memory"), [
+    ("{slicing: partitions, partitions: [8, 2]}", "6Gi"),
+    ("{slicing: partitions, partitions: [8, 2], defaultPartition: 2}", "24Gi"),
+    ("{slicing: partitions, partitions: [8, 2], defaultPartition: 1}", "48Gi"),
+])
+def test_a_claim_that_names_no_partition_gets_the_default_one_in_the_capacity_layout(dra: str, memory: str) -> None:
+    _, inventory = _setup(dra)
+    device = pool_content(inventory.snapshot, "node-a").spec(0)["devices"][0]
+    assert device["capacity"]["memory"]["requestPolicy"]["default"] == memory
+    assert device["attributes"]["byDefault"] == {"bool": True}, "the vendor classes select it"
+
+
+@pytest.mark.parametrize(("dra", "chosen"), [
+    ("{slicing: partitions, partitions: [4, 2], partitionLayout: counters}", lambda name: "-p4-" in name),
+    ("{slicing: partitions, partitions: [4, 2], partitionLayout: counters, defaultPartition: 2}",
+     lambda name: "-p2-" in name),
+    ("{slicing: partitions, partitions: [4, 2], partitionLayout: counters, defaultPartition: 1}",
+     lambda name: "-p" not in name),
+])
+def test_the_counters_layout_marks_only_the_default_partitions_devices(dra: str, chosen: Any) -> None:
+    _, inventory = _setup(dra)
+    content = pool_content(inventory.snapshot, "node-a")
+    devices = {d["name"]: d for n in range(len(content.specs)) for d in content.spec(n).get("devices", [])}
+    assert len(devices) == 2 * (1 + 2 + 4)
+    for name, device in devices.items():
+        assert device["attributes"]["byDefault"] == {"bool": chosen(name)}, name
+
+
+def test_whole_and_consumable_devices_carry_no_default_mark() -> None:
+    for dra in ("{slicing: whole}", "{slicing: consumable}"):
+        _, inventory = _setup(dra)
+        device = pool_content(inventory.snapshot, "node-a").spec(0)["devices"][0]
+        assert "byDefault" not in device["attributes"], dra
+
+
+@pytest.mark.parametrize("dra", ["{slicing: partitions, partitions: [8, 2], defaultPartition: 4}",
+                                 "{slicing: partitions, defaultPartition: 3}"])
+def test_a_default_partition_that_is_none_of_them_is_refused(dra: str) -> None:
+    with pytest.raises(Exception, match=r"dra.*defaultPartition"):
+        _setup(dra)

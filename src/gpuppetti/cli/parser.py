@@ -191,8 +191,9 @@ COMMANDS = (
         "Check, on a node or inside the plugin's pod, everything gpuppetti depends on: the GPUs and the backend "
         "that finds them, the kubelet's directories and sockets, the container runtime (through its CRI socket: "
         "name, version, and whether it applies CDI devices, without which DRA claims reach no container), the CDI "
-        "directory, the Vulkan loader and drivers for enforced slices, the host agent, and a running daemon's "
-        "/healthz. Prints one line per check, and the fix for each that fails. Exits 1 when a check fails.",
+        "directory, the Vulkan loader and drivers for enforced slices, the host agent, a running daemon's "
+        "/healthz, and which of the DRA driver's features the cluster's version and feature gates allow. Prints one "
+        "line per check, and the fix for each that fails. Exits 1 when a check fails.",
         (
             _config("built-in defaults"),
             *_DISCOVERY,
@@ -217,6 +218,7 @@ COMMANDS = (
                 shown_default="none: not checked",
                 help="a running plugin or DRA driver's HTTP endpoint, as a URL (http://127.0.0.1:9400) or its "
                 "--http-address (:9400 means this machine), whose /healthz to ask"),
+            _kubeconfig("the API server whose version and feature gates to check; in a pod, its service account"),
             Switch("--json", help="print the checks as JSON"),
             _log_level("warning"),
         ),

@@ -106,7 +106,7 @@ def doctor(args: argparse.Namespace) -> int:
     settings = Settings(
         sources=sources(args), device_plugin_dir=args.device_plugin_dir, registry_dir=args.registry_dir,
         cdi_dir=args.cdi_dir, runtime_endpoint=args.runtime_endpoint, containerd_address=args.containerd_address,
-        daemon_url=args.daemon, mode=args.mode, vulkan_layer_dir=args.vulkan_layer_dir,
+        daemon_url=args.daemon, mode=args.mode, vulkan_layer_dir=args.vulkan_layer_dir, kubeconfig=args.kubeconfig,
     )
     results = asyncio.run(checkup(settings))
     if args.json:

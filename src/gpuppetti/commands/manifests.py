@@ -288,7 +288,9 @@ def device_classes() -> list[dict[str, Any]]:
     """The generic class, the partition class, and one class per vendor named after its extended resource."""
     driver = f"device.driver == '{DRIVER}'"
     attrs = f"device.attributes['{DRIVER}']"
-    whole = f"(!('partitions' in {attrs}) || {attrs}.partitions == 1)"
+    # What a claim that names no partition gets: a whole GPU, or on a partitions node the device the driver marks
+    # byDefault (dra.defaultPartition), so that a plain resources.limits is served whatever the node's slicing.
+    whole = f"('byDefault' in {attrs} ? {attrs}.byDefault : (!('partitions' in {attrs}) || {attrs}.partitions == 1))"
     classes = [
         _device_class(DRIVER, driver),
         _device_class(f"partition.{DRIVER}", f"{driver} && 'partitions' in {attrs} && {attrs}.partitions > 1"),
@@ -322,6 +324,12 @@ def dra_driver(options: Options) -> list[dict[str, Any]]:
               "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
              # list: a kubelet call that names many claims of one namespace reads them in one request.
              {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list"]},
+             # The claims' status.devices entries of the devices it prepares, applied server-side: the status
+             # subresource, and (Kubernetes 1.36's granular status authorization) this driver's entries on claims
+             # of its own node only.
+             {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/status"], "verbs": ["patch"]},
+             {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"], "resourceNames": [DRIVER],
+              "verbs": ["associated-node:patch"]},
              {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
          ]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",

@@ -217,8 +217,23 @@ class DraSection(Strict):
     # consuming its GPU's shared counters: the API's partitionable devices, which cost the scheduler far more per
     # pod (docs/scale.md has how much) and suit only small clusters.
     partition_layout: Literal["capacity", "counters"] = "capacity"
+    # partitions: the one a claim that names none gets (1: the whole GPU), and with it a plain resources.limits
+    # through the extended-resource bridge; default: the smallest of partitions.
+    default_partition: Literal[1] | PartitionCount | None = None
     # consumable: a claim that asks for no capacity gets 1/shares of each.
     shares: int = Field(default=4, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _default_is_a_partition(self) -> DraSection:
+        if self.default_partition not in (None, 1, *self.partitions):
+            raise ValueError(f"defaultPartition: {self.default_partition} is not one of partitions "
+                             f"{sorted(self.partitions)} (or 1, the whole GPU)")
+        return self
+
+    @property
+    def plain_partition(self) -> int:
+        """The number of equal parts of a GPU a claim that names no partition gets one of."""
+        return self.default_partition or max(self.partitions, default=1)
 
 
 DeviceListStrategy = Literal["envvar", "cdi-cri", "cdi-annotations"]

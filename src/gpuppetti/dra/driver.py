@@ -17,6 +17,7 @@ from typing import Protocol
 
 from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.dra.checkpoint import COMPLETED
+from gpuppetti.dra.claimstatus import ClaimStatus
 from gpuppetti.dra.plan import Plan, PrepareError, layer_allocation, plan_claim
 from gpuppetti.dra.store import Answer, ClaimStore
 from gpuppetti.kit.draplugin import ClaimRef, named
@@ -66,11 +67,14 @@ def _collector_paused() -> Iterator[None]:
 class GpuDriver:
     """Prepare and unprepare for the kit's helper, over the snapshot's pool and one store."""
 
-    def __init__(self, inventory: Inventory, node: str, store: ClaimStore, claims: ClaimReader) -> None:
+    def __init__(self, inventory: Inventory, node: str, store: ClaimStore, claims: ClaimReader,
+                 status: ClaimStatus | None = None) -> None:
         self._inventory = inventory
         self.node = node
         self.store = store
         self._claims = claims
+        # Where the claims' status entries are written from (None: they are not).
+        self._status = status
         # The pods a claim was reserved for when it was read to be prepared (for /metrics; not kept across a restart).
         self._pods: dict[str, str] = {}
 
@@ -94,6 +98,9 @@ class GpuDriver:
             committed = await self.store.commit(planned) if planned else {}
             answers.update(committed)
             prepared = [planned[uid][0] for uid, answer in committed.items() if not isinstance(answer, PrepareError)]
+            if self._status is not None:
+                for claim in prepared:
+                    self._status.prepared(claim, planned[claim.uid][1].statuses)
             if prepared:
                 log.info("prepared %s in %.1f ms (reading and planning them %.1f ms, checkpoint and CDI specs %.1f "
                          "ms)", named(prepared), (time.perf_counter() - began) * 1000, (read - began) * 1000,
@@ -150,6 +157,8 @@ class GpuDriver:
         for claim in claims:
             if answers.get(claim.uid) == "":
                 self._pods.pop(claim.uid, None)
+                if self._status is not None:
+                    self._status.unprepared(claim)
         return answers
 
     def slice_uses(self) -> list[SliceRow]:

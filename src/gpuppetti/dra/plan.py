@@ -5,8 +5,10 @@ reads and writes nothing, so what it returns can be recorded whole in the checkp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
+from gpuppetti.base.quantity import format_quantity
 from gpuppetti.core import cdi
 from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.core.model import ContainerEdits, Health
@@ -16,12 +18,23 @@ from gpuppetti.layer.vulkan import LayerDir
 from gpuppetti.node.inventory import Snapshot
 from gpuppetti.sharing.budgets import Enforce, share_budgets
 from gpuppetti.sharing.edits import MpsSettings, claim_edits
-from gpuppetti.sharing.limits import with_limits
+from gpuppetti.sharing.limits import ENFORCED_BY_ENV, with_limits
 from gpuppetti.sharing.shares import Share, ShareError, cannot_honour, claim_share
 
 
 class PrepareError(Exception):
     """Preparing one claim failed; the message goes to the kubelet in that claim's entry."""
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """What a user is told of one prepared device in its claim's status (``status.devices[].data``): which GPU it
+    is, the memory and compute share the container was given of it, and what holds it to them."""
+
+    pool: str
+    device: str
+    share_id: str | None
+    data: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class Plan:
     filename: str
     # The Vulkan layer's directory of each request that gets one, with each GPU's budget.
     allocations: dict[str, list[int]] = field(default_factory=dict)
+    # One per prepared device, in their order: for the claim's status, not the checkpoint.
+    statuses: list[DeviceStatus] = field(default_factory=list)
 
 
 def layer_allocation(uid: str, request: str) -> str:
@@ -77,6 +92,7 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
 
     cdi_devices: list[tuple[str, ContainerEdits]] = []
     prepared: list[PreparedDevice] = []
+    statuses: list[DeviceStatus] = []
     allocations: dict[str, list[int]] = {}
     enforce = Enforce(snapshot.config.sharing.enforce_memory, snapshot.config.sharing.enforce_compute)
     for request, shares in by_request.items():
@@ -102,9 +118,32 @@ def plan_claim(claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot, node: st
         if budgets:
             edits = with_limits(edits, budgets, layer.path if layer is not None else None)
         cdi_devices.append((cdi_name, edits))
+        # What holds each of the request's GPUs, as the container is told (a whole GPU: none).
+        held = edits.env.get(ENFORCED_BY_ENV, "").split(",")
         for position, share in enumerate(shares):
             # One CDI device per request carries the edits of all its GPUs, so a container that gets the
             # request sees one consistent env; the others name no CDI device, to avoid applying it twice.
             ids = [cdi.qualified_name(kind, cdi_name)] if position == 0 else []
             prepared.append(PreparedDevice([request], node, share.device.name, ids, share.share_id))
-    return Plan(prepared, cdi.build_spec(kind, cdi_devices), cdi.spec_filename(kind, claim.uid), allocations)
+            enforced = held[position] if len(held) == len(shares) else "none"
+            statuses.append(DeviceStatus(node, share.device.name, share.share_id,
+                                         status_data(request, share, enforced)))
+    return Plan(prepared, cdi.build_spec(kind, cdi_devices), cdi.spec_filename(kind, claim.uid), allocations,
+                statuses)
+
+
+def status_data(request: str, share: Share, enforced_by: str) -> dict[str, str]:
+    """The ``data`` of a prepared device's status entry: strings only, so that ``kubectl get resourceclaim -o
+    yaml`` shows them as they are read (the memory as a quantity, the compute share as a percentage)."""
+    gpu, size = share.gpu, share.size
+    data = {"request": request, "gpu": gpu.id, "model": gpu.model}
+    if gpu.uuid:
+        data["uuid"] = gpu.uuid
+    if size.memory is not None:
+        data["memory"] = format_quantity(Fraction(size.memory), binary=True)
+    if size.cores is not None:
+        data["cores"] = format_quantity(size.cores)
+    compute = size.cores / gpu.cores if size.cores is not None and gpu.cores else size.fraction
+    data["computeShare"] = f"{float(compute) * 100:.4g}%"
+    data["enforcedBy"] = enforced_by
+    return data

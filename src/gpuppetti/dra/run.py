@@ -1,9 +1,9 @@
 """The ``gpuppetti dra`` process: its duties, started by the runtime and stopped on one path.
 
 Duties: the HTTP endpoint (first), the kit's kubelet plugin (kit.kubeletplugin: the DRA service, the registration
-socket and the slice publisher), the claims' ledgers, the CDI directory's keeper, the health monitor, and reloads.
-Nothing waits for the API server: the driver registers with the kubelet and serves Unprepare whatever the API does,
-and the publisher converges once the API is back.
+socket and the slice publisher), the claims' ledgers, the CDI directory's keeper, the claims' status writer
+(dra.claimstatus), the health monitor, and reloads. Nothing waits for the API server: the driver registers with the
+kubelet and serves Unprepare whatever the API does, and the publisher converges once the API is back.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from gpuppetti.base.nodepaths import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.core.model import Serves
 from gpuppetti.dra.checkpoint import Checkpoint, UnusableCheckpoint
+from gpuppetti.dra.claimstatus import ClaimStatus
 from gpuppetti.dra.driver import GpuDriver
 from gpuppetti.dra.slices import device_health, pool_content
 from gpuppetti.dra.store import ClaimStore
@@ -93,7 +94,8 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     restored = await store.restore()
     if restored:
         log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
-    gpu_driver = GpuDriver(inventory, options.node_name, store, kube)
+    status = ClaimStatus(kube, driver)
+    gpu_driver = GpuDriver(inventory, options.node_name, store, kube, status)
     metrics.watch_claims(store)
     metrics.watch_slices(gpu_driver)
 
@@ -113,6 +115,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     http.slices = lambda: slice_records(gpu_driver)
 
     runtime.spawn("cdi-specs", store.keep_specs())
+    runtime.spawn("claim-status", status.keep())
     for name, duty in monitor.duties():
         runtime.spawn(name, duty)
     runtime.spawn("config-reload", runtime.reloads(lambda: reload(sources, inventory, monitor)))

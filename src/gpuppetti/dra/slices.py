@@ -51,6 +51,8 @@ def _semver(version: str) -> str:
 # joined by `+`, or `none`; a claim selects held devices with CEL, e.g.
 # device.attributes["gpu.gpuppetti.dev"].enforcedBy != "none". A C identifier, as the API wants attribute names.
 ENFORCED_BY = "enforcedBy"
+# On a partitions node: whether a claim that names no partition gets this device (dra.defaultPartition).
+BY_DEFAULT = "byDefault"
 
 
 # The driver's version as the API's version attribute takes it; the same on every device.
@@ -137,6 +139,10 @@ def _device(device: PoolDevice, gpu: Gpu, attributes: dict[str, Attribute], driv
             own["partition"] = {"int": device.part}
         body["attributes"] = own
         body["consumesCounters"] = [{"counterSet": device.counter_set, "counters": shared.counters(device)}]
+    if device.by_default is not None:
+        # The vendor classes (and with them the extended-resource bridge) select, on a partitions node, only the
+        # devices a claim that names no partition gets: dra.defaultPartition.
+        body["attributes"] = {**body["attributes"], BY_DEFAULT: Attribute(bool=device.by_default)}
     if _tainted(gpu):
         taint: Taint = {"key": f"{driver}/{UNHEALTHY_TAINT}", "value": "true", "effect": "NoSchedule"}
         body["taints"] = [taint]

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx2
 import msgspec
 from lightkube import AsyncClient
+from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core import exceptions as lightkube_errors
 from lightkube.core import resource as lightkube_resource
@@ -85,6 +88,18 @@ class _WrittenSlice(msgspec.Struct, lightkube_resource.GlobalResource, kw_only=T
     kind: str
     metadata: _Meta
     spec: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+
+
+class _ClaimStatus(msgspec.Struct, lightkube_resource.NamespacedSubResource, kw_only=True, omit_defaults=True):
+    """A claim's status, as the driver applies its own entries of it; the answer is read for its metadata alone."""
+
+    _api_info = lightkube_resource.ApiInfo(
+        resource=lightkube_resource.ResourceDef("resource.k8s.io", "v1", "ResourceClaim"),
+        parent=lightkube_resource.ResourceDef("resource.k8s.io", "v1", "ResourceClaim"), plural="resourceclaims",
+        verbs=["patch"], action="status")
+    apiVersion: str = "resource.k8s.io/v1"
+    kind: str = "ResourceClaim"
+    metadata: _Meta = msgspec.field(default_factory=_Meta)
 
 
 class NotFound(ApiError):
@@ -203,6 +218,60 @@ def _slice_object(body: ResourceSliceBody) -> _WrittenSlice:
                          spec=msgspec.Raw(msgspec.json.encode(body["spec"])))
 
 
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the API server says of itself: its version, and its feature gates where its /metrics may be read."""
+
+    version: str
+    # (major, minor), None when the version does not say.
+    release: tuple[int, int] | None
+    # Each gate's state; None when /metrics cannot be read (``gates_problem`` says why).
+    gates: dict[str, bool] | None
+    gates_problem: str = ""
+
+
+_RELEASE = re.compile(r"v?(\d+)\.(\d+)")
+
+
+async def server_facts(config: KubeConfig, timeout: float = REQUEST_TIMEOUT_S) -> ServerFacts:
+    """The API server's /version and the kubernetes_feature_enabled series of its /metrics (a non-resource path:
+    an account needs ``get`` on it, which admins have and the daemons' accounts do not). Raises ApiError when the
+    version cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    # lightkube makes no request of a non-resource path: its adapter gives an HTTP client with the kubeconfig's
+    # server, credentials and trust.
+    try:
+        current = config.get()
+        if current is None:
+            raise ApiError("the kubeconfig names no current context")
+        http = client_adapter.AsyncClient(current, client_adapter.ConnectionParams(timeout=httpx2.Timeout(timeout)))
+    except FAILURES as exc:
+        raise _error(exc, "connecting to the API server", timeout) from None
+    async with http:
+        try:
+            answer = await http.get("/version")
+            answer.raise_for_status()
+            version = str(answer.json().get("gitVersion", ""))
+        except FAILURES as exc:
+            raise _error(exc, "reading the API server's /version", timeout) from None
+        found = _RELEASE.match(version)
+        release = (int(found[1]), int(found[2])) if found else None
+        try:
+            answer = await http.get("/metrics")
+            answer.raise_for_status()
+        except httpx2.HTTPStatusError as exc:
+            return ServerFacts(version, release, None, f"its /metrics answered {exc.response.status_code}")
+        except FAILURES as exc:
+            return ServerFacts(version, release, None, str(_error(exc, "reading /metrics", timeout)))
+    gates: dict[str, bool] = {}
+    for family in text_string_to_metric_families(answer.text):
+        if family.name == "kubernetes_feature_enabled":
+            for sample in family.samples:
+                gates[sample.labels.get("name", "")] = sample.value == 1
+    return ServerFacts(version, release, gates)
+
+
 class Kube:
     """The typed operations the daemons need, each bounded by ``timeout``; every failure raises ApiError."""
 
@@ -232,6 +301,17 @@ class Kube:
                     yield item
         except FAILURES as exc:  # msgspec.ValidationError is a ValueError: an answer that is not what it says
             raise _error(exc, f"listing the ResourceClaims of namespace {namespace}", self._timeout) from None
+
+    async def apply_claim_status(self, namespace: str, name: str, uid: str, manager: str,
+                                 devices: list[dict[str, Any]]) -> None:
+        """Make ``devices`` the entries of ResourceClaim ``namespace/name``'s ``status.devices`` that ``manager``
+        owns, by a server-side apply of its status: entries it applied before and leaves out now are removed, other
+        managers' entries are kept. ``uid`` is a precondition: a claim replaced meanwhile fails with 409."""
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": namespace, "uid": uid}, "status": {"devices": devices}}
+        await self._call(f"writing the status of ResourceClaim {namespace}/{name}", self._client.patch(
+            _ClaimStatus, name, body, namespace=namespace, patch_type=PatchType.APPLY, field_manager=manager,
+            force=True))
 
     async def node_uid(self, node: str) -> str:
         found = await self._call(f"reading Node {node}", self._client.get(_Node, node))

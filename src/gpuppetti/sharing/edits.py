@@ -104,7 +104,8 @@ _STRATEGY_SHARING = {"TimeSlicing": "time-slicing", "Exclusive": "none", "MPS": 
 def _claim_sharing(shares: Sequence[Share], strategy: str) -> str:
     if any(share.parts > 1 for share in shares):
         return "partition"
-    if any(share.share_id for share in shares):
+    # A partitions node's device taken whole (all of its memory) is a whole GPU, though the API gives it a share id.
+    if any(share.share_id and not share.device.part_counts for share in shares):
         return "consumable"
     return _STRATEGY_SHARING[strategy]
 

@@ -53,6 +53,9 @@ class PoolDevice:
     counter_set: str | None = None
     # Partitions, capacity layout: the numbers of equal parts a claim may take this GPU in (1: all of it).
     part_counts: tuple[int, ...] = ()
+    # Partitions: whether a claim that names no partition (a plain resources.limits among them) gets this device;
+    # None where the node has no partitions.
+    by_default: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,12 @@ def counter_set_name(gpu: Gpu) -> str:
 
 
 @functools.cache
-def _partition_capacity(memory: int, counts: tuple[int, ...]) -> tuple[Capacity, ...]:
-    """A GPU's memory, taken in one of its partitions' sizes; by default the smallest. Memory, because its sizes
-    are whole numbers of bytes: the API compares valid values as integers, so fractions of a share or of a core
-    would collide."""
+def _partition_capacity(memory: int, counts: tuple[int, ...], plain: int) -> tuple[Capacity, ...]:
+    """A GPU's memory, taken in one of its partitions' sizes; by default that of ``plain`` parts (dra.
+    defaultPartition). Memory, because its sizes are whole numbers of bytes: the API compares valid values as
+    integers, so fractions of a share or of a core would collide."""
     values = tuple(sorted({Fraction(memory // count) for count in counts}))
-    return (Capacity("memory", Fraction(memory), values[0], valid_values=values),)
+    return (Capacity("memory", Fraction(memory), Fraction(memory // plain), valid_values=values),)
 
 
 def partition_counts(device: PoolDevice, memory: Fraction) -> int | None:
@@ -139,18 +142,20 @@ def build_pool(gpus: Iterable[Gpu], section: DraSection) -> Pool:
             devices[base] = PoolDevice(base, gpu.id, whole, plain)
             continue
         counts = tuple(sorted({1, *section.partitions}))
+        default = section.plain_partition
         if section.partition_layout == "capacity" and gpu.memory_bytes:
-            devices[base] = PoolDevice(base, gpu.id, whole, _partition_capacity(gpu.memory_bytes, counts),
-                                       consumable=True, part_counts=counts)
+            devices[base] = PoolDevice(base, gpu.id, whole, _partition_capacity(gpu.memory_bytes, counts, default),
+                                       consumable=True, part_counts=counts, by_default=True)
             continue
         # The counters layout, and a GPU whose memory is not known (nothing to take the partitions' sizes of).
         counters = counter_set_name(gpu)
         counter_sets.append(CounterSet(counters, gpu.id, MappingProxyType(whole.amounts())))
-        devices[base] = PoolDevice(base, gpu.id, whole, plain, counter_set=counters)
+        devices[base] = PoolDevice(base, gpu.id, whole, plain, counter_set=counters, by_default=default == 1)
         for count in sorted(set(section.partitions)):
             size = Size.part(gpu, count)
             capacity = _plain(gpu.cores, gpu.memory_bytes, count)
             for part in range(count):
                 name = f"{base}-p{count}-{part}"
-                devices[name] = PoolDevice(name, gpu.id, size, capacity, count, part, counter_set=counters)
+                devices[name] = PoolDevice(name, gpu.id, size, capacity, count, part, counter_set=counters,
+                                           by_default=default == count)
     return Pool(section.slicing, MappingProxyType(devices), tuple(counter_sets))

@@ -152,7 +152,7 @@ vendor (the class's name before the driver's), resource, and vendors (the values
 {{- range .vendors -}}
 {{- $vendors = append $vendors (printf "%s.vendor == '%s'" $attributes .) -}}
 {{- end -}}
-{{- $whole := printf "(!('partitions' in %s) || %s.partitions == 1)" $attributes $attributes -}}
+{{- $whole := printf "('byDefault' in %s ? %s.byDefault : (!('partitions' in %s) || %s.partitions == 1))" $attributes $attributes $attributes $attributes -}}
 {{- include "gpuppetti.deviceClass" (dict "root" .root "name" (printf "%s.%s" .vendor (include "gpuppetti.driver" .root))
       "resource" .resource
       "expression" (printf "%s && (%s) && %s" (include "gpuppetti.ours" .root) (join " || " $vendors) $whole)) -}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from gpuppetti.commands.doctor import checks, enforcement, vulkan, window
+from gpuppetti.commands.doctor import checks, cluster, enforcement, vulkan, window
 from gpuppetti.commands.doctor.checks import Settings
 from gpuppetti.commands.doctor.result import MARKS, Result, Status
 
@@ -30,6 +30,8 @@ async def checkup(settings: Settings) -> list[Result]:
                                                            settings.containerd_address),
                                     name="doctor-runtime")
         daemon = group.create_task(checks.daemon_check(settings.daemon_url), name="doctor-daemon")
+        features = group.create_task(cluster.cluster_checks(settings.kubeconfig, settings.mode),
+                                     name="doctor-cluster")
         held = group.create_task(asyncio.to_thread(
             enforcement.enforcement_checks, gpus, host, checks.layer_holds(settings.vulkan_layer_dir, found)),
             name="doctor-enforced-by")
@@ -46,6 +48,7 @@ async def checkup(settings: Settings) -> list[Result]:
         checks.layer_check(settings.vulkan_layer_dir),
         *held.result(),
         daemon.result(),
+        *features.result(),
     ]
 
 

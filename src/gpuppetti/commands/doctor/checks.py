@@ -59,6 +59,8 @@ class Settings:
     vulkan_layer_dir: Path | None = None
     # plugin, dra or both: the kubelet directory of a mode the node does not run is not checked.
     mode: str = "both"
+    # The API server whose version and feature gates to check (None: the in-cluster account, if any).
+    kubeconfig: Path | None = None
 
 
 def config_and_gpus(sources: Sources) -> tuple[list[Result], Discovered | None]:
