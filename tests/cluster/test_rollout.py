@@ -59,6 +59,8 @@ def installed(node: RealNode) -> Iterator[None]:
 NOT_YET = pytest.mark.xfail(strict=True, reason="a rolling restart still loses pods (issue 38, item 1)")
 
 
+# A measurement of what the next change must fix, and minutes long: make test leaves it out (-m rollout runs it).
+@pytest.mark.rollout
 @pytest.mark.parametrize("mode", [pytest.param("plugin", marks=NOT_YET), pytest.param("dra", marks=NOT_YET)])
 def test_rolling_restart_while_pods_arrive(node: RealNode, image: str, workdir: Path, installed: None,
                                            mode: str) -> None:
