@@ -7,11 +7,8 @@ import asyncio
 import mmap
 import os
 import secrets
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -187,43 +184,6 @@ class LedgerThread:
         self.thread.join(10)
         self.loop.close()
         assert not self.errors, self.errors
-
-
-class LedgerProcess:
-    """One allocation's ledger served by a process of its own (``python -m gpuppetti.layer.ledger serve``), for
-    tests and tools that wait on their workloads with blocking calls; stop() ends it (or use it as a context)."""
-
-    def __init__(self, directory: Path, budgets: Sequence[int], compute: Sequence[int] = ()) -> None:
-        self.directory = directory
-        args = [sys.executable, "-m", "gpuppetti.layer.ledger", "serve", str(directory),
-                "--budgets", ",".join(str(budget) for budget in budgets)]
-        if compute:
-            args += ["--compute", ",".join(str(share) for share in compute)]
-        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line.startswith("serving"):
-            self.process.kill()
-            raise RuntimeError(f"the ledger did not start: {line!r}")
-
-    def observer(self) -> Process:
-        """A connection that holds nothing, to read the slices' figures from the shared page."""
-        return Process(self.directory)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def __enter__(self) -> LedgerProcess:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
 
 class ServedLayer:

@@ -289,7 +289,10 @@ def test_claim_status_says_what_was_prepared_and_unprepare_clears_it(
 
         node.delete("pod", "holder")
         wait_for("the driver's entry gone after Unprepare", lambda: entry() is None, 60)
-        assert "the status of ResourceClaim" not in daemon.log(), "no write failed"
+        # A claim deleted before its entry was written is said at info, and rightly not retried: no other write failed.
+        failed = [line for line in daemon.log().splitlines()
+                  if "the status of ResourceClaim" in line and "the claim is gone or replaced" not in line]
+        assert not failed, failed
     finally:
         node.delete("pod", "token-anchor", "-n", "gpuppetti", "--grace-period=0", "--force")
 

@@ -94,7 +94,7 @@ def test_a_consumable_claims_memory_through_containerd_cdi(
     assert consumer["layer"] is True
     assert consumer["devices"][0]["heaps"][0]["size"] == 384 * MIB
     assert consumer["allocation"]["obtained"] == 384 * MIB
-    assert os.path.isdir(node.dir / "vulkan" / "allocations")
+    assert os.path.isdir(node.dir / "vulkan" / "ledgers")
 
 
 def test_device_plugin_compute_shares_hold_their_containers(node: RealNode, workdir: Path, vulkan_image: str) -> None:
@@ -136,3 +136,39 @@ def test_top_shows_the_pods_holding_memory(node: RealNode, workdir: Path, vulkan
     assert table.returncode == 0, table.stderr
     assert all(len(line) <= 80 for line in table.stdout.splitlines())
     assert any("default/holder/vk" in line and "256 MiB" in line for line in table.stdout.splitlines())
+
+
+def _holding(url: str, pod: str) -> int:
+    """What the pod's processes hold of its slice, as the daemon's /v1/slices says (0 where it says nothing)."""
+    result = run_cli("top", "--from", url, "--json")
+    if result.returncode != 0:
+        return 0
+    return sum(s["used_bytes"] for s in json.loads(result.stdout)["slices"] if s["pod"] == pod)
+
+
+@pytest.mark.parametrize("mode", ["plugin", "dra"])
+def test_a_daemon_killed_and_started_again_under_a_running_pod_loses_nothing(
+        node: RealNode, workdir: Path, classes: None, vulkan_image: str, mode: str) -> None:
+    """The pod's process holds 320 MiB of its slice in its daemon's ledger; the daemon is SIGKILLed and started again
+    (as a crashed or upgraded DaemonSet pod is): the pod runs on, and the new daemon's ledger holds its 320 MiB."""
+    holding = ("--json", "--allocate", "64", "--limit", "320", "--hold", "600")
+    if mode == "plugin":
+        daemon = node.gpuppetti("gpuppetti-plugin", "plugin", "--config", str(write_config(workdir, "p.yaml", PLUGIN)),
+                                "--http-address", "127.0.0.1:0")
+        daemon.wait_ready()
+        node.wait_allocatable("apple.com/gpu", 4)
+        node.apply([workload("holder", vulkan_image, limits={"apple.com/gpu": 1}, args=holding)])
+    else:
+        daemon = start_driver(node, workdir, DRA)
+        node.apply([template("vk-512", {"memory": "512Mi"}),
+                    workload("holder", vulkan_image, claims=[("gpu", "vk-512")], args=holding)])
+    url = daemon.http_url()
+    wait_for("the holder's 320 MiB in the ledger", lambda: _holding(url, "holder") == 320 * MIB, 180, 0.5)
+    daemon.kill9()
+    daemon.start()
+    daemon.wait_ready()
+    url = daemon.http_url()
+    # The pod's process reconnects as soon as the socket is back, and declares what it holds.
+    wait_for("the holder's 320 MiB in the new daemon's ledger", lambda: _holding(url, "holder") == 320 * MIB, 60,
+             0.5)
+    assert node.phase("holder") == "Running", "the workload ran on"

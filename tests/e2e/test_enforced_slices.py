@@ -298,12 +298,7 @@ async def test_the_dra_driver_puts_the_claims_compute_share_in_its_cdi_spec(
 
 
 async def test_a_consumable_claims_container_obtains_its_memory(cluster: Cluster) -> None:
-    if (reason := why_not_here()) is not None:
-        pytest.skip(f"the layer's container tests cannot run: {reason}")
-    box = PodmanSandbox()
-    if (problem := await box.why_not()) is not None:
-        pytest.skip(f"podman cannot run containers here: {problem}")
-    await box.ensure_image()
+    box = await _box()
     cluster.start_driver(DRA_SMALL + "dra: {slicing: consumable}\n")
     await cluster.kubelet.wait_registered(DRIVER)
     await cluster.wait_slices(lambda s: len(s) >= 1)
