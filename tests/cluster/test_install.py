@@ -114,7 +114,7 @@ def test_a_node_without_gpus_is_one_line(node: RealNode, image: str, installing:
 FILL = ("cd /run/gpuppetti/vulkan && ls; "
         "if dd if=/dev/zero of=fill bs=1024 count=65536 2>/tmp/dd.err; then echo FILL=all; else echo FILL=refused; fi; "
         "cat /tmp/dd.err; i=0; while [ $i -lt 200 ] && touch f$i 2>/dev/null; do i=$((i+1)); done; echo FILES=$i; "
-        ": >> /usr/lib/gpuppetti/libVkLayer_gpuppetti.so 2>/dev/null && echo LIB=written; "
+        "if (: >> /usr/lib/gpuppetti/libVkLayer_gpuppetti.so) 2>/dev/null; then echo LIB=written; fi; "
         "grep -E ' (/run/gpuppetti|/usr/lib/gpuppetti|/usr/local/bin/gpuppetti|/etc/vulkan)' /proc/mounts | "
         "sed 's/^/MOUNT /'; echo DONE; sleep 3600")
 
