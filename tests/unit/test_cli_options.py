@@ -147,7 +147,7 @@ OVERLAPPING_LAYER_DIRS = [
     ("/tmp", "is a system directory"),
     ("/opt", "is a system directory"),
     # The ledgers' sockets are made under it: a socket's path is at most 107 bytes.
-    ("/var/lib/" + "gpuppetti-" * 8, "is too long: the ledgers' sockets are made under it"),
+    ("/var/lib/" + "gpuppetti-" * 9, "is too long: the ledgers' sockets are made under it"),
 ]
 
 

@@ -331,3 +331,23 @@ def test_a_ledger_closed_disconnects_its_processes_and_its_directory_goes(served
     served.run(lambda: served.ledgers.remove("a"))
     assert process.sock.recv(16) == b""
     assert not directory.exists()
+
+
+def test_a_socket_whose_path_is_too_long_to_bind_is_bound_short_and_moved_into_place(tmp_path: Path) -> None:
+    # A DRA request's name may take 63 bytes: its allocation's socket path passes the 107 a socket's may have.
+    root = tmp_path / ("d" * max(1, 90 - len(str(tmp_path)))) / "ledgers"
+    root.parent.mkdir()
+    allocation = f"dra-00000000-0000-0000-0000-000000000000-{'r' * 63}"
+    assert len(str(root / allocation / SOCKET_NAME)) > 107
+    served = LedgerThread(root)
+    try:
+        directory = served.open(allocation, [Terms(BUDGET)])
+        process = Process(directory)
+        assert process.reserve(BUDGET) and not process.reserve(1)
+        assert [entry.name for entry in root.parent.iterdir()] == ["ledgers"], "no short name left behind"
+        # Served again (a restarted daemon), the socket is replaced in place.
+        served.close(allocation)
+        served.open(allocation, [Terms(BUDGET)])
+        assert Process(directory).reserve(BUDGET)
+    finally:
+        served.stop()

@@ -15,9 +15,9 @@ DEFAULT_HTTP_ADDRESS = "127.0.0.1:9400"
 # Where the daemons install the Vulkan layer and serve each allocation's ledger; mounted into containers, read-only.
 DEFAULT_VULKAN_LAYER_DIR = Path("/var/lib/gpuppetti/vulkan")
 DEFAULT_HOST_AGENT_TOKEN_FILE = "/var/run/secrets/gpuppetti-host-agent/token"
-# The longest layer directory, in bytes: each ledger's socket is bound at <layer dir>/ledgers/.bind-<12 hex> before
-# it is renamed into its allocation's directory, and a socket's path is at most 107 bytes.
-LAYER_DIR_MAX_BYTES = 107 - len("/ledgers/.bind-") - 12
+# The longest layer directory, in bytes: a ledger's socket whose path would be too long is bound at
+# <layer dir>/.b<8 hex> before it is renamed into its allocation's directory, and a socket's path is at most 107 bytes.
+LAYER_DIR_MAX_BYTES = 107 - len("/.b") - 8
 
 # What the DaemonSets mount besides the Vulkan layer's directory, which is mounted at its node path: the layer's
 # directory may be none of these, nor inside one, nor hold one (a duplicate mountPath the API server refuses, or

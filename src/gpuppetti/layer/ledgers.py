@@ -2,8 +2,8 @@
 
 An allocation's directory holds its socket alone, and only the daemon writes there: containers mount it read-only,
 which connect(2) works through, and a directory mount (not the socket's file) sees a socket a restarted daemon binds
-anew. A socket is bound under a short name and renamed into its directory, as a socket's path may not pass 107
-bytes.
+anew. Where an allocation's socket path would pass the 107 bytes a socket's path may have, it is bound under a short
+name in the layer directory and renamed into its allocation's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from pathlib import Path
 from gpuppetti.layer.ledger import MAX_CONNECTIONS, SOCKET_NAME, Connection, Ledger, SliceUse, Terms
 
 log = logging.getLogger(__name__)
+
+# The longest path a Unix socket may be bound at (sun_path holds 108 bytes, with its terminating NUL).
+SOCKET_PATH_MAX = 107
 
 
 class Ledgers:
@@ -46,22 +49,29 @@ class Ledgers:
         make_private_directory(self.root)
         directory = self.directory(allocation)
         make_private_directory(directory)
-        # Bound under a short name beside the directories, then renamed into place (which replaces an earlier
-        # socket at once): a socket's path may not pass 107 bytes, and an allocation's path under a long layer
-        # directory does (a DRA request's name alone may take 63).
-        bound = self.root / f".bind-{secrets.token_hex(6)}"  # LAYER_DIR_MAX_BYTES counts on this name
+        target = directory / SOCKET_NAME
+        # A socket's path may not pass 107 bytes, and an allocation's under a long layer directory does (a DRA
+        # request's name alone may take 63): there it is bound under a short name in the layer directory, on the
+        # same filesystem, and renamed into place (which replaces an earlier socket at once).
+        short = len(os.fsencode(target)) <= SOCKET_PATH_MAX
+        bound = target if short else self.root.parent / f".b{secrets.token_hex(4)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
+            if short:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(target)
             listener.bind(str(bound))
             # Any user a container runs as connects (connect() needs write permission on the socket).
             os.chmod(bound, 0o666)
-            os.rename(bound, directory / SOCKET_NAME)
+            if not short:
+                os.rename(bound, target)
             listener.listen(MAX_CONNECTIONS)
             listener.setblocking(False)
         except OSError:
             listener.close()
-            with contextlib.suppress(OSError):
-                os.unlink(bound)
+            if not short:
+                with contextlib.suppress(OSError):
+                    os.unlink(bound)
             raise
         return listener
 
