@@ -261,3 +261,14 @@ def machine_lock(path: Path, waiting: str) -> Iterator[None]:
             print(f"{waiting} (lock {path})", file=sys.stderr)
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+async def flood_endpoint(host: str, port: int, held: list[asyncio.StreamWriter]) -> None:
+    """What any pod can do to a daemon's HTTP port: 1,500 connections that say nothing (kept open in ``held``, for
+    the caller to close), then 3,000 scrapes of /metrics and /v1/slices whose clients give up at once."""
+    for _ in range(1500):
+        held.append((await asyncio.open_connection(host, port))[1])
+    for n in range(3000):
+        _, writer = await asyncio.open_connection(host, port)
+        writer.write(f"GET {'/metrics' if n % 2 else '/v1/slices'} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        writer.close()

@@ -22,7 +22,7 @@ import pytest
 
 from gpuppetti.core import cdi
 from tests.dra_support import DRIVER, Cluster
-from tests.helpers import TWO_M3_MAX, Daemon
+from tests.helpers import TWO_M3_MAX, Daemon, flood_endpoint
 from tests.standins.dra_kubelet import ClaimKey
 
 pytestmark = pytest.mark.fault
@@ -125,14 +125,9 @@ async def test_held_connections_and_abandoned_scrapes_leave_prepare_fast(cluster
     driver = cluster.start_driver(open_files=1024)
     await _registered_and_published(cluster, driver)
     host, port = (await driver.http_url()).removeprefix("http://").rsplit(":", 1)
-    held = []
+    held: list[asyncio.StreamWriter] = []
     try:
-        for _ in range(1500):
-            held.append((await asyncio.open_connection(host, int(port)))[1])
-        for n in range(3000):
-            _, writer = await asyncio.open_connection(host, int(port))
-            writer.write(f"GET {'/metrics' if n % 2 else '/v1/slices'} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-            writer.close()
+        await flood_endpoint(host, int(port), held)
         for n in range(7):
             claim = await cluster.allocate(f"c{n}", [{"request": "gpu", "device": f"gpu-apple-{n % 2}"}])
             began = time.monotonic()

@@ -24,7 +24,7 @@ from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpuppetti.deviceplugin.enforcement import allocation_id
 from gpuppetti.kubelet.emulator import KubeletEmulator, Pod
 from gpuppetti.layer.vulkan import BUILT, LIBRARY
-from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess
+from tests.helpers import TWO_M3_MAX, Daemon, PluginProcess, flood_endpoint
 
 pytestmark = pytest.mark.fault
 APPLE = "apple.com/gpu"
@@ -245,12 +245,7 @@ async def test_held_connections_and_abandoned_scrapes_leave_allocate_fast(plugin
             # A process of its own, started beside other tests on two cores: its start is not what is judged.
             await kubelet.wait_registered(APPLE, timeout=60)
             host, port = (await plugin.http_url()).removeprefix("http://").rsplit(":", 1)
-            for _ in range(1500):
-                held.append((await asyncio.open_connection(host, int(port)))[1])
-            for n in range(3000):
-                _, writer = await asyncio.open_connection(host, int(port))
-                writer.write(f"GET {'/metrics' if n % 2 else '/v1/slices'} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
-                writer.close()
+            await flood_endpoint(host, int(port), held)
             for n in range(7):
                 began = time.monotonic()
                 await kubelet.admit(Pod.simple(f"p{n}", APPLE, 1))
