@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from gpuppetti.commands import install, manifests
-from gpuppetti.commands.install import Cluster, InstallError
+from gpuppetti.commands.install import InstallError, applying, image, smoke, waiting
+from gpuppetti.commands.install.cluster import Cluster, detect
 from tests.helpers import run_cli
 from tests.standins.apiserver import ApiStandIn
 
@@ -46,25 +47,25 @@ def minikube_home(tmp_path: Path, profile: str, driver: str) -> Path:
 def test_minikube_is_known_by_its_node_label_and_its_driver_by_the_profile(tmp_path: Path) -> None:
     home = minikube_home(tmp_path, "gpus", "krunkit")
     nodes = [node("gpus", {"minikube.k8s.io/name": "gpus", "kubernetes.io/arch": "arm64"})]
-    cluster = install.detect("gpus", "https://192.168.105.2:8443", nodes, home)
+    cluster = detect("gpus", "https://192.168.105.2:8443", nodes, home)
     assert cluster == Cluster("minikube", "gpus", ("gpus",), "krunkit", local=False)
     assert cluster.describe() == "minikube profile gpus (driver krunkit), 1 node: gpus"
     # A profile whose config cannot be read still is minikube, with its driver unknown.
-    assert install.detect("other", "https://x:8443", [node("m", {"minikube.k8s.io/name": "other"})],
-                          home).driver is None
+    assert detect("other", "https://x:8443", [node("m", {"minikube.k8s.io/name": "other"})],
+                  home).driver is None
 
 
 def test_kind_by_its_provider_id_k3s_by_its_kubelet_and_any_other_node() -> None:
     home = Path("/nonexistent")
-    kind = install.detect("kind-gp", "https://127.0.0.1:40123", [
+    kind = detect("kind-gp", "https://127.0.0.1:40123", [
         node("gp-control-plane", provider="kind://docker/gp/gp-control-plane"), node("gp-worker")], home)
     assert (kind.kind, kind.name, kind.nodes, kind.local) == ("kind", "gp", ("gp-control-plane", "gp-worker"), True)
-    k3s = install.detect("default", "https://127.0.0.1:6443", [node("box", kubelet="v1.33.4+k3s1")], home)
+    k3s = detect("default", "https://127.0.0.1:6443", [node("box", kubelet="v1.33.4+k3s1")], home)
     assert (k3s.kind, k3s.local) == ("k3s", True)
-    labelled = install.detect("default", "https://10.0.0.5:6443",
-                              [node("box", {"node.kubernetes.io/instance-type": "k3s"})], home)
+    labelled = detect("default", "https://10.0.0.5:6443",
+                      [node("box", {"node.kubernetes.io/instance-type": "k3s"})], home)
     assert (labelled.kind, labelled.local) == ("k3s", False)
-    plain = install.detect("prod", "https://api.example:6443", [node("gpu-1")], home)
+    plain = detect("prod", "https://api.example:6443", [node("gpu-1")], home)
     assert plain.kind == "node"
 
 
@@ -86,9 +87,9 @@ def recorded(record: Path) -> list[str]:
     return record.read_text().splitlines() if record.exists() else []
 
 
-async def run_plan(plan: install.ImagePlan, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def run_plan(plan: image.ImagePlan, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", path)
-    await install.run_steps(plan.steps, lambda line: None)
+    await image.run_steps(plan.steps, lambda line: None)
 
 
 MINIKUBE = Cluster("minikube", "gpus", ("gpus",), "krunkit")
@@ -98,7 +99,7 @@ KIND = Cluster("kind", "gp", ("gp-control-plane",))
 async def test_minikube_builds_the_image_inside_its_vm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     record = tmp_path / "calls"
     env = fake_tools(tmp_path / "bin", record, "minikube")
-    plan = install.image_plan(MINIKUBE, None, REPO, None, tmp_path, root=False)
+    plan = image.image_plan(MINIKUBE, None, REPO, None, tmp_path, root=False)
     assert (plan.image, plan.loaded) == (manifests.DEFAULT_IMAGE, True)
     await run_plan(plan, env["PATH"], monkeypatch)
     assert recorded(record) == [f"minikube -p gpus image build -t localhost/gpuppetti:dev {REPO}"]
@@ -107,12 +108,12 @@ async def test_minikube_builds_the_image_inside_its_vm(tmp_path: Path, monkeypat
 async def test_kind_loads_what_docker_or_podman_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     record = tmp_path / "calls"
     env = fake_tools(tmp_path / "bin", record, "kind", "docker", "podman")
-    plan = install.image_plan(KIND, "localhost/gp:1", REPO, "docker", tmp_path, root=False)
+    plan = image.image_plan(KIND, "localhost/gp:1", REPO, "docker", tmp_path, root=False)
     await run_plan(plan, env["PATH"], monkeypatch)
     assert recorded(record) == [f"docker build -t localhost/gp:1 {REPO}",
                                 "kind load docker-image localhost/gp:1 --name gp"]
     record.unlink()
-    plan = install.image_plan(KIND, None, REPO, "podman", tmp_path, root=False)
+    plan = image.image_plan(KIND, None, REPO, "podman", tmp_path, root=False)
     await run_plan(plan, env["PATH"], monkeypatch)
     archive = tmp_path / "gpuppetti-image.tar"
     assert recorded(record) == [f"podman build -t localhost/gpuppetti:dev {REPO}",
@@ -125,35 +126,35 @@ async def test_k3s_imports_into_its_containerd_here(tmp_path: Path, monkeypatch:
     env = fake_tools(tmp_path / "bin", record, "k3s", "podman", "sudo")
     k3s = Cluster("k3s", "", ("box",), local=True)
     archive = tmp_path / "gpuppetti-image.tar"
-    await run_plan(install.image_plan(k3s, None, REPO, "podman", tmp_path, root=True), env["PATH"], monkeypatch)
+    await run_plan(image.image_plan(k3s, None, REPO, "podman", tmp_path, root=True), env["PATH"], monkeypatch)
     assert recorded(record)[-1] == f"k3s ctr images import {archive}"
     record.unlink()
-    await run_plan(install.image_plan(k3s, None, REPO, "podman", tmp_path, root=False), env["PATH"], monkeypatch)
+    await run_plan(image.image_plan(k3s, None, REPO, "podman", tmp_path, root=False), env["PATH"], monkeypatch)
     assert recorded(record)[-1] == f"sudo k3s ctr images import {archive}"
     with pytest.raises(InstallError, match="k3s's containerd is on its node") as remote:
-        install.image_plan(Cluster("k3s", "", ("box",), local=False), None, REPO, "podman", tmp_path, root=True)
+        image.image_plan(Cluster("k3s", "", ("box",), local=False), None, REPO, "podman", tmp_path, root=True)
     assert remote.value.bad_input
 
 
 def test_a_registry_image_is_pulled_and_other_nodes_need_one(tmp_path: Path) -> None:
-    plan = install.image_plan(Cluster("node", "", ("n",)), "registry.example/gpuppetti:1.0", None, None, tmp_path,
-                              root=True)
+    plan = image.image_plan(Cluster("node", "", ("n",)), "registry.example/gpuppetti:1.0", None, None, tmp_path,
+                            root=True)
     assert (plan.steps, plan.loaded) == ((), False)
     with pytest.raises(InstallError, match="not minikube, kind or k3s: its nodes pull"):
-        install.image_plan(Cluster("node", "", ("n",)), None, REPO, "docker", tmp_path, root=True)
+        image.image_plan(Cluster("node", "", ("n",)), None, REPO, "docker", tmp_path, root=True)
     with pytest.raises(InstallError, match="no image to run: give --image REF"):
-        install.image_plan(MINIKUBE, None, None, None, tmp_path, root=True)
+        image.image_plan(MINIKUBE, None, None, None, tmp_path, root=True)
     with pytest.raises(InstallError, match="needs docker or podman"):
-        install.image_plan(KIND, None, REPO, None, tmp_path, root=True)
+        image.image_plan(KIND, None, REPO, None, tmp_path, root=True)
     with pytest.raises(InstallError, match="no Dockerfile there"):
-        install.image_plan(MINIKUBE, None, tmp_path, None, tmp_path, root=True)
+        image.image_plan(MINIKUBE, None, tmp_path, None, tmp_path, root=True)
 
 
 async def test_a_missing_tool_is_the_users_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
-    plan = install.image_plan(MINIKUBE, None, REPO, None, tmp_path, root=True)
+    plan = image.image_plan(MINIKUBE, None, REPO, None, tmp_path, root=True)
     with pytest.raises(InstallError) as missing:
-        await install.run_steps(plan.steps, lambda line: None)
+        await image.run_steps(plan.steps, lambda line: None)
     assert str(missing.value) == ("minikube is not on PATH: install it, or give --image REF that the nodes can "
                                   "pull")
     assert missing.value.bad_input
@@ -163,9 +164,9 @@ async def test_a_failing_tool_is_a_failure(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "minikube").write_text("#!/bin/sh\nexit 3\n")
     (tmp_path / "minikube").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
-    plan = install.image_plan(MINIKUBE, None, REPO, None, tmp_path, root=True)
+    plan = image.image_plan(MINIKUBE, None, REPO, None, tmp_path, root=True)
     with pytest.raises(InstallError, match=r"failed \(exit 3\)") as failed:
-        await install.run_steps(plan.steps, lambda line: None)
+        await image.run_steps(plan.steps, lambda line: None)
     assert not failed.value.bad_input
 
 
@@ -173,22 +174,22 @@ async def test_a_failing_tool_is_a_failure(tmp_path: Path, monkeypatch: pytest.M
 
 def test_the_cluster_chooses_the_config() -> None:
     settings = install.Settings(kubeconfig=None, context=None)
-    config, source = install.choose_config(MINIKUBE, settings)
+    config, source = applying.choose_config(MINIKUBE, settings)
     assert config == manifests.preset_config("minikube-krunkit", None) and source == "the minikube-krunkit preset"
-    assert install.choose_config(Cluster("node", "", ("n",)), settings)[0] is None
+    assert applying.choose_config(Cluster("node", "", ("n",)), settings)[0] is None
     with pytest.raises(InstallError, match="kind's nodes have no GPUs: give --config"):
-        install.choose_config(KIND, settings)
+        applying.choose_config(KIND, settings)
     given = install.Settings(kubeconfig=None, context=None, config="version: v1\n", config_source="sim.yaml")
-    assert install.choose_config(KIND, given) == ("version: v1\n", "sim.yaml")
+    assert applying.choose_config(KIND, given) == ("version: v1\n", "sim.yaml")
 
 
 def test_the_objects_are_gpuppetti_manifests_own() -> None:
     settings = install.Settings(kubeconfig=None, context=None, mode="dra")
-    objects = install.render(settings, None, "localhost/gpuppetti:dev", True, "https://127.0.0.1:16443")
+    objects = applying.render(settings, None, "localhost/gpuppetti:dev", True, "https://127.0.0.1:16443")
     expected = manifests.render(manifests.Options(mode="dra", image_pull_policy="IfNotPresent"))
     assert objects == expected
-    on_host = install.render(install.Settings(kubeconfig=None, context=None, mode="dra", host_network=True),
-                             None, "r/g:1", False, "https://127.0.0.1:16443")
+    on_host = applying.render(install.Settings(kubeconfig=None, context=None, mode="dra", host_network=True),
+                              None, "r/g:1", False, "https://127.0.0.1:16443")
     [daemonset] = [obj for obj in on_host if obj["kind"] == "DaemonSet"]
     spec = daemonset["spec"]["template"]["spec"]
     assert spec["hostNetwork"] is True
@@ -198,7 +199,7 @@ def test_the_objects_are_gpuppetti_manifests_own() -> None:
 
 
 def test_uninstall_knows_every_object_of_both_modes() -> None:
-    objects = install.all_objects("gpuppetti")
+    objects = applying.all_objects("gpuppetti")
     names = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
     for mode in ("plugin", "dra"):
         for obj in manifests.render(manifests.Options(mode=mode, label_node=True)):
@@ -208,30 +209,30 @@ def test_uninstall_knows_every_object_of_both_modes() -> None:
 
 
 def test_the_smoke_pod_asks_for_one_slice() -> None:
-    plugin = install.smoke_objects(install.Settings(kubeconfig=None, context=None), "apple.com/gpu", "busybox:1.36")
+    plugin = smoke.smoke_objects(install.Settings(kubeconfig=None, context=None), "apple.com/gpu", "busybox:1.36")
     [pod] = plugin
     assert pod["spec"]["containers"][0]["resources"] == {"limits": {"apple.com/gpu": 1}}
-    assert install.VKINFO in pod["spec"]["containers"][0]["command"][2]
-    template, pod = install.smoke_objects(install.Settings(kubeconfig=None, context=None, mode="dra"), None, "i")
+    assert smoke.VKINFO in pod["spec"]["containers"][0]["command"][2]
+    template, pod = smoke.smoke_objects(install.Settings(kubeconfig=None, context=None, mode="dra"), None, "i")
     assert template["kind"] == "ResourceClaimTemplate"
-    assert pod["spec"]["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": install.SMOKE_POD}]
+    assert pod["spec"]["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": smoke.SMOKE_POD}]
 
 
 def test_what_serves_is_read_from_the_node_and_the_slices() -> None:
     node_status = {"status": {"allocatable": {"cpu": "2", "memory": "1Gi", "hugepages-2Mi": "0", "pods": "110",
                                               "apple.com/gpu": "4", "amd.com/gpu": "0", "example.com/fpga": "2",
                                               "example.com/gpu": "8", "nvidia.com/gpu.shared": "2"}}}
-    names = install.served_names(None)
-    assert install.extended_resources(node_status, names) == {"apple.com/gpu": 4, "nvidia.com/gpu.shared": 2}
-    renamed = install.served_names("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
+    names = waiting.served_names(None)
+    assert waiting.extended_resources(node_status, names) == {"apple.com/gpu": 4, "nvidia.com/gpu.shared": 2}
+    renamed = waiting.served_names("version: v1\nsharing:\n  timeSlicing:\n    resources:\n"
                                    "      - {name: apple.com/gpu, replicas: 2, rename: example.com/gpu}\n")
-    assert install.extended_resources(node_status, renamed)["example.com/gpu"] == 8
+    assert waiting.extended_resources(node_status, renamed)["example.com/gpu"] == 8
     ready = {"spec": {"nodeName": "a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
     starting = {"spec": {"nodeName": "b"}, "status": {"conditions": [{"type": "Ready", "status": "False"}]}}
-    assert install.ready_nodes([ready, starting, {"spec": {"nodeName": "c"}}]) == {"a"}
+    assert waiting.ready_nodes([ready, starting, {"spec": {"nodeName": "c"}}]) == {"a"}
     slices: list[dict[str, Any]] = [{"spec": {"nodeName": "a", "devices": [{"name": "gpu-0"}, {"name": "gpu-1"}]}},
               {"spec": {"nodeName": "b", "devices": []}}, {"spec": {"nodeName": "c", "devices": [{}]}}]
-    assert install.slice_devices(slices, ["a", "b"]) == {"a": 2}
+    assert waiting.slice_devices(slices, ["a", "b"]) == {"a": 2}
 
 
 def test_a_daemon_that_finds_no_gpus_is_one_line() -> None:
@@ -239,14 +240,14 @@ def test_a_daemon_that_finds_no_gpus_is_one_line() -> None:
     log = ("2026-01-01 10:00:00,000 WARNING gpuppetti.node.daemon: no GPUs found; looked at:\n"
            "  drm: /host/sys/class/drm: no render nodes\n  nvml: libnvidia-ml.so.1 not found\n"
            "serving nothing until a GPU appears\n")
-    assert install.daemon_problem(pod, log) == ("the daemon on node box found no GPUs (looked at: drm: "
+    assert waiting.daemon_problem(pod, log) == ("the daemon on node box found no GPUs (looked at: drm: "
                                                 "/host/sys/class/drm: no render nodes; nvml: libnvidia-ml.so.1 "
                                                 "not found)")
-    assert install.daemon_problem(pod, "registered\n") is None
+    assert waiting.daemon_problem(pod, "registered\n") is None
     pulling = {"spec": {"nodeName": "box"}, "status": {"containerStatuses": [
         {"image": "localhost/gpuppetti:dev", "state": {"waiting": {"reason": "ErrImageNeverPull",
                                                                    "message": "not present"}}}]}}
-    assert install.daemon_problem(pulling, None) == ("node box cannot get the image localhost/gpuppetti:dev: "
+    assert waiting.daemon_problem(pulling, None) == ("node box cannot get the image localhost/gpuppetti:dev: "
                                                      "ErrImageNeverPull: not present")
 
 
@@ -353,7 +354,7 @@ def test_bad_flags_are_one_line(tmp_path: Path) -> None:
 
 def test_the_smoke_script_says_why_it_cannot_show_the_slice(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "GPUPPETTI_LIMITS": "cooperative", "OTHER": "x"}
-    script = install.SMOKE_SCRIPT.replace(install.VKINFO, str(tmp_path / "gpuppetti-vkinfo"))
+    script = smoke.SMOKE_SCRIPT.replace(smoke.VKINFO, str(tmp_path / "gpuppetti-vkinfo"))
     out = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["GPUPPETTI_LIMITS=cooperative", "--- gpuppetti-vkinfo",
                                 "gpuppetti-vkinfo is not mounted: this slice is not held by the layer (a whole GPU, "
