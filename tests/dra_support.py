@@ -45,7 +45,8 @@ class Cluster:
         return self.root / "plugins" / DRIVER
 
     def start_driver(self, config_text: str | None = TWO_M3_MAX, api_timeout: float | None = None,
-                     umask: int | None = None, own_process: bool = False, open_files: int | None = None) -> Daemon:
+                     umask: int | None = None, own_process: bool = False, open_files: int | None = None,
+                     instance: str | None = None) -> Daemon:
         """The driver in the test's event loop, or in a process of its own where the test needs one
         (``own_process``, or a ``umask`` or a soft limit on ``open_files`` for that process)."""
         args = ["dra", "--node-name", NODE, "--registry-dir", str(self.root / "registry"),
@@ -53,6 +54,8 @@ class Cluster:
                 "--kubeconfig", str(self.kubeconfig)]
         if api_timeout is not None:
             args += ["--api-timeout", str(api_timeout)]
+        if instance is not None:
+            args += ["--instance", instance]
         name = f"dra-{len(self.started)}"
         driver: Daemon
         if own_process or umask is not None or open_files is not None:

@@ -237,12 +237,12 @@ async def test_a_second_instance_waits_and_takes_over_cleanly(cluster: Cluster) 
     socket = cluster.plugin_dir / "dra.sock"
     inode = socket.stat().st_ino
     second = cluster.start_driver()
-    await second.wait_for_log("another gpuppetti DRA driver")
+    await second.wait_for_log("another instance of the driver serves")
     await asyncio.sleep(1.0)
     assert socket.stat().st_ino == inode, "the second did not touch the first's socket"
     assert second.running()
     assert await first.stop() == 0
-    await second.wait_for_log("takes over")
+    await second.wait_for_log("the other instance stopped")
     await cluster.kubelet.wait_registered(DRIVER, count=2, timeout=20)
     assert socket.exists(), "the first's clean stop left the second's socket alone"
     claim = await cluster.allocate("after", [{"request": "gpu", "device": "gpu-apple-0"}])

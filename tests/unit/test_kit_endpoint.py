@@ -11,7 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpuppetti.kit.endpoint import MAX_SOCKET_PATH, SocketError, UnixEndpoint
+from gpuppetti.base.sockets import SOCKET_PATH_MAX
+from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
 from tests.helpers import short_tmpdir
 
 
@@ -61,7 +62,7 @@ async def test_something_that_is_not_a_socket_is_said_and_kept(directory: Path, 
 
 
 async def test_a_path_too_long_for_a_unix_socket_is_said(directory: Path) -> None:
-    path = directory / ("x" * (MAX_SOCKET_PATH - len(str(directory))))
+    path = directory / ("x" * (SOCKET_PATH_MAX - len(str(directory))))
     with pytest.raises(SocketError, match="Unix sockets allow 107"):
         await UnixEndpoint(path, nothing, 0).start()
 

@@ -10,28 +10,17 @@ survives PID reuse and PID namespaces; the holder's PID, from /proc/locks, is on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import logging
 import os
 from pathlib import Path
 
+from gpuppetti.base.dirlock import holder
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 REMIND_S = 30.0
-
-
-def _holder(directory: Path) -> str:
-    """The PID that holds a flock on ``directory``, as /proc/locks tells it (as far as this PID namespace sees)."""
-    with contextlib.suppress(OSError, ValueError):
-        st = directory.stat()
-        wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-        for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == wanted:
-                return f"pid {int(fields[4])}"
-    return "another process"
 
 
 class InstanceLock:
@@ -63,7 +52,7 @@ class InstanceLock:
         reminded: float | None = None
         while not self.try_acquire():
             if reminded is None or waited - reminded >= REMIND_S:
-                self.waiting_for = (f"another gpuppetti {self.what} ({_holder(self.directory)}) serves "
+                self.waiting_for = (f"another gpuppetti {self.what} ({holder(self.directory)}) serves "
                                     f"{self.directory}")
                 log.error("%s; waiting for it to stop before taking over (two instances would steal each "
                           "other's sockets)", self.waiting_for)

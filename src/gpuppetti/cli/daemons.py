@@ -33,7 +33,7 @@ def dra(args: argparse.Namespace, runtime: Runtime) -> Coroutine[Any, Any, None]
     from gpuppetti.dra.run import DraOptions, run_dra
 
     options = DraOptions(args.node_name, serving(args), args.registry_dir, args.plugins_dir, args.kubeconfig,
-                         args.api_timeout)
+                         args.api_timeout, args.instance)
     return run_dra(runtime, sources(args), options)
 
 

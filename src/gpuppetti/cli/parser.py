@@ -141,6 +141,11 @@ COMMANDS = (
                 default=DEFAULT_REGISTRY_DIR, metavar="DIR", help="the kubelet's plugin registry directory"),
             Opt(("--plugins-dir",), env="GPUPPETTI_PLUGINS_DIR", convert=values.path, default=DEFAULT_PLUGINS_DIR,
                 metavar="DIR", help="where the driver's socket and checkpoint go, under <driver>/"),
+            Opt(("--instance",), env="GPUPPETTI_INSTANCE", convert=values.instance_name, metavar="NAME",
+                shown_default="none: the fixed socket names, one instance at a time",
+                help="this instance's name (in a DaemonSet, the pod's UID): its sockets are named for it "
+                "(dra-NAME.sock, DRIVER-NAME-reg.sock), so that during a rolling update the new instance serves "
+                "beside the old one and the kubelet loses no claim"),
             _cdi_dir("where the per-claim CDI specs are written"),
             _VULKAN_LAYER_DIR,
             _kubeconfig("kubeconfig for the API server"),

@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import posixpath
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -193,6 +194,18 @@ def kubeconfig(text: str, current: bool = True) -> Path:
 def kubeconfig_any_context(text: str) -> Path:
     """A kubeconfig as ``kubeconfig`` checks it, for a command with --context: its current context is not needed."""
     return kubeconfig(text, current=False)
+
+_INSTANCE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def instance_name(text: str) -> str:
+    """A daemon instance's name, which its sockets carry: a pod's UID, or any DNS label (so that a socket's name
+    never holds a slash or a dot)."""
+    if not _INSTANCE.fullmatch(text):
+        raise Bad("is not an instance name: at most 63 lowercase letters, digits and '-', starting and ending with "
+                  "a letter or digit (in a DaemonSet, the pod's UID: fieldRef metadata.uid)")
+    return text
+
 
 def node_name(text: str) -> str:
     if (problem := dns_subdomain_problem(text)) is not None:

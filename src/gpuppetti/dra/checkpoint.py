@@ -192,8 +192,9 @@ def decode(raw: bytes) -> tuple[dict[str, ClaimRecord], str]:
     return records, document.version
 
 
-def _read(path: Path) -> bytes:
-    """The file's bytes, if it is a regular file no larger than MAX_BYTES. Raises CorruptCheckpoint, OSError."""
+def _read(path: Path) -> tuple[bytes, tuple[int, int, int]]:
+    """The file's bytes, if it is a regular file no larger than MAX_BYTES, and the identity of what was read (its
+    inode, modification time and size). Raises CorruptCheckpoint, OSError."""
     with path.open("rb") as file:
         st = os.fstat(file.fileno())
         if stat.S_ISDIR(st.st_mode):
@@ -207,13 +208,29 @@ def _read(path: Path) -> bytes:
         raw = file.read(MAX_BYTES + 1)
     if len(raw) > MAX_BYTES:
         raise CorruptCheckpoint(f"over the {MAX_BYTES >> 20} MiB a checkpoint of 10,000 claims stays within")
-    return raw
+    return raw, (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class Checkpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._claims: Mapping[str, ClaimRecord] = MappingProxyType({})
+        # The file as this process last read or wrote it: another instance's save changes it (refresh).
+        self._seen: tuple[int, int, int] | None = None
+
+    def _identity(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def refresh(self) -> None:
+        """Read the file again if another process wrote it since this one last read or wrote it (the other
+        instance of a rolling update; the caller holds the lock both take). Blocks: call it in a thread. Raises
+        UnusableCheckpoint as ``load``."""
+        if self._identity() != self._seen:
+            self.load()
 
     @property
     def claims(self) -> Mapping[str, ClaimRecord]:
@@ -226,13 +243,14 @@ class Checkpoint:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         try:
             try:
-                raw = _read(self.path)
+                raw, seen = _read(self.path)
             except IsADirectoryError as exc:
                 raise CorruptCheckpoint("a directory, not a file") from exc
             records, version = decode(raw)
             del raw
         except FileNotFoundError:
             self._claims = MappingProxyType({})
+            self._seen = None
             return None
         except CorruptCheckpoint as exc:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
@@ -245,10 +263,12 @@ class Checkpoint:
             log.error("checkpoint %s is corrupt (%s); moved it to %s and started empty. Claims it held will be "
                       "prepared again when the kubelet retries them", self.path, exc, aside)
             self._claims = MappingProxyType({})
+            self._seen = None
             return str(aside)
         except OSError as exc:
             raise UnusableCheckpoint(f"cannot read the checkpoint {self.path}: {exc.strerror or exc}") from exc
         self._claims = MappingProxyType(records)
+        self._seen = seen
         if version == VERSION:
             return None
         # The next save writes this version's format; keep the newer one's file whole beside it.
@@ -264,3 +284,4 @@ class Checkpoint:
         Raises OSError, and keeps the previous state, when the write fails."""
         atomic_write(self.path, (encode(claims), b"\n"), mode=0o600)
         self._claims = MappingProxyType(dict(claims))
+        self._seen = self._identity()

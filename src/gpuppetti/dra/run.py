@@ -1,7 +1,8 @@
 """The ``gpuppetti dra`` process: its duties, started by the runtime and stopped on one path.
 
 Duties: the HTTP endpoint (first), the kit's kubelet plugin (kit.kubeletplugin: the DRA service, the registration
-socket and the slice publisher), the claims' ledgers, the CDI directory's keeper, the claims' status writer
+socket and the slice publisher), the claims' ledgers (and taking over those the driver's other instance served), the
+CDI directory's keeper (which restores the prepared claims at start), the claims' status writer
 (dra.claimstatus), the health monitor, and reloads. Nothing waits for the API server: the driver registers with the
 kubelet and serves Unprepare whatever the API does, and the publisher converges once the API is back.
 """
@@ -14,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuppetti.base.dirlock import DirectoryLock
 from gpuppetti.base.fsutil import make_directory
-from gpuppetti.base.instancelock import InstanceLock
 from gpuppetti.base.nodepaths import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.core.model import Serves
@@ -46,6 +47,8 @@ class DraOptions:
     plugins_dir: Path = DEFAULT_PLUGINS_DIR
     kubeconfig: Path | None = None
     api_timeout: float = REQUEST_TIMEOUT_S
+    # This instance's name (the pod's UID): kit.instances.
+    instance: str | None = None
 
 
 async def run_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
@@ -69,11 +72,6 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
             make_directory(directory)
         except OSError as exc:
             raise StartupError(f"cannot create {directory}: {exc.strerror or exc}") from exc
-    lock = InstanceLock(plugin_dir, "DRA driver")
-    http.readiness = lambda: lock.waiting_for or "taking the driver's lock"
-    await lock.acquire()
-    runtime.at_end(lock.release)
-
     try:
         config = load_config(options.kubeconfig)
     except ConfigError as exc:
@@ -87,13 +85,16 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
         raise StartupError(str(exc)) from exc
     enforcement = await install_layer(serving.vulkan_layer_dir)
     metrics.enforced(enforcement.enforced)
-    store = ClaimStore(serving.cdi_dir, checkpoint, layer=enforcement.layer, ledgers=enforcement.ledgers)
+    # Shared with the driver's other instance during a rolling update: each change takes the plugin directory's
+    # lock. The prepared claims are restored by the CDI directory's keeper once it watches, not here: an instance
+    # of an earlier version holds that lock for its whole life, and this one must register (and so be ready, which
+    # lets the DaemonSet stop the old one) before it gets it.
+    store = ClaimStore(serving.cdi_dir, checkpoint, layer=enforcement.layer, ledgers=enforcement.ledgers,
+                       shared=DirectoryLock(plugin_dir, "instance of the DRA driver"))
     if enforcement.ledgers is not None:
         # Closed at stop whatever else fails: the containers' processes wait for the next driver.
         runtime.spawn("ledgers", enforcement.ledgers.keep())
-    restored = await store.restore()
-    if restored:
-        log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored, checkpoint.path)
+        runtime.spawn("ledgers-take-over", store.take_over())
     status = ClaimStatus(kube, driver)
     gpu_driver = GpuDriver(inventory, options.node_name, store, kube, status)
     metrics.watch_claims(store)
@@ -102,7 +103,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     plugin = kubeletplugin.start(runtime, gpu_driver, kubeletplugin.PluginSpec(
         driver_name=driver, node=options.node_name, plugin_dir=plugin_dir, registry_dir=options.registry_dir,
         source=inventory, content_of=functools.partial(pool_content, layer=enforcement.enforced),
-        health_of=device_health, writer=kube, metrics=metrics, stop_grace_s=STOP_GRACE_S))
+        health_of=device_health, writer=kube, metrics=metrics, stop_grace_s=STOP_GRACE_S, instance=options.instance))
 
     def waiting_for() -> str | None:
         if (waiting := plugin.waiting_for()) is not None:

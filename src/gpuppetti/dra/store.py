@@ -6,6 +6,11 @@ unprepared only once the checkpoint no longer holds it; what the kubelet was las
 directory and the layer's directories agree. Every change is serialised by one lock, and nothing under it waits
 for the network (the driver reads claims before it commits them). Blocking writes (the checkpoint with fsync, the
 CDI specs, the layer's directories) run in a thread.
+
+Two instances share all of it during a rolling update (the old pod and the new): each change also holds the plugin
+directory's lock (base.dirlock), which both take, and starts from the checkpoint as the file says it now. A ledger
+the other instance serves stays its own while it lives (its processes are connected there): this one takes it over
+once nobody listens on it any more, and those processes then declare what they hold to this one.
 """
 
 from __future__ import annotations
@@ -14,15 +19,16 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.dirlock import DirectoryLock
 from gpuppetti.base.fsutil import make_directory, remove_file
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
-from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord
+from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, UnusableCheckpoint
 from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice, named
 from gpuppetti.layer.ledger import Terms
@@ -68,6 +74,9 @@ def _remove_specs(directory: Path, filenames: Sequence[str]) -> None:
 
 
 Listeners = dict[str, tuple[socket.socket, list[int]]]
+# How often a ledger the other instance serves is looked at again, to take it over once that one has stopped: its
+# processes wait for a ledger to connect to in the meantime.
+TAKE_OVER_POLL_S = 0.2
 
 
 def _terms(memories: Sequence[int]) -> list[Terms]:
@@ -79,16 +88,34 @@ class ClaimStore:
     """The checkpoint, the CDI specs and the ledgers of the driver's claims; changes are serialised."""
 
     def __init__(self, cdi_dir: Path, checkpoint: Checkpoint, kind: str = cdi.DEFAULT_KIND,
-                 layer: LayerDir | None = None, ledgers: Ledgers | None = None) -> None:
+                 layer: LayerDir | None = None, ledgers: Ledgers | None = None,
+                 shared: DirectoryLock | None = None) -> None:
         self.cdi_dir = cdi_dir
         self.checkpoint = checkpoint
         self.kind = kind
+        # The lock another instance of the driver takes too (None: this process is the only one).
+        self.shared = shared
+        # Ledgers of prepared claims another instance serves now, to take over once it stops.
+        self.elsewhere: set[str] = set()
+        self._elsewhere_changed = asyncio.Event()
         # Where slices are enforced: the Vulkan layer's directory and the claims' ledgers (None: they are not).
         self.layer = layer
         self.ledgers = ledgers if layer is not None else None
         self._lock = asyncio.Lock()
         # Prepared claims whose CDI spec could not be written back (a full directory), and why.
         self.missing_specs: dict[str, str] = {}
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """This process's lock, then the one both instances take, with the checkpoint read again where the other
+        instance wrote it. Raises UnusableCheckpoint where it can no longer be read."""
+        async with self._lock:
+            if self.shared is None:
+                yield
+                return
+            async with self.shared.held():
+                await _run_to_the_end(self.checkpoint.refresh)
+                yield
 
     @property
     def records(self) -> Mapping[str, ClaimRecord]:
@@ -116,10 +143,30 @@ class ClaimStore:
         """Re-create the missing CDI specs of completed claims (/var/run/cdi is tmpfs, and a reboot empties it) and
         remove specs the checkpoint does not hold as prepared. Returns how many were re-created; those that could
         not be are in ``missing_specs`` until a later call succeeds."""
-        async with self._lock:
-            restored, listeners = await _run_to_the_end(self._restore)
-            await self._serve(listeners, restored=True)
+        try:
+            async with self._turn():
+                restored, listeners = await _run_to_the_end(self._restore)
+                await self._serve(listeners, restored=True)
+        except UnusableCheckpoint as exc:
+            log.error("cannot restore the prepared claims: %s", exc)
+            return 0
+        if self.elsewhere:
+            self._elsewhere_changed.set()
         return restored
+
+    async def take_over(self) -> None:
+        """Duty: the ledgers another instance serves become this one's once it has stopped (restore binds those
+        nobody listens on any more)."""
+        while True:
+            await self._elsewhere_changed.wait()
+            self._elsewhere_changed.clear()
+            while self.elsewhere:
+                await asyncio.sleep(TAKE_OVER_POLL_S)
+                before = set(self.elsewhere)
+                await self.restore()
+                if taken := before - self.elsewhere:
+                    log.info("took over the ledger(s) of %d allocation(s) from the driver's other instance",
+                             len(taken))
 
     async def _serve(self, listeners: Listeners, restored: bool = False) -> None:
         assert self.ledgers is not None or not listeners
@@ -149,8 +196,8 @@ class ClaimStore:
 
     def _restore_ledgers(self) -> Listeners:
         """The sockets of each completed claim's ledgers not served yet (their containers' processes reconnect to
-        them and declare what they hold), as its checkpointed plan names them; no other DRA claim's directory
-        stays. Blocks: call it in a thread."""
+        them and declare what they hold), as its checkpointed plan names them, but for those another instance
+        serves (``elsewhere``); no other DRA claim's directory stays. Blocks: call it in a thread."""
         ledgers = self.ledgers
         assert ledgers is not None
         kept = {allocation: (uid, memories) for uid, record in self.checkpoint.claims.items()
@@ -159,8 +206,12 @@ class ClaimStore:
             if allocation.startswith(LAYER_PREFIX) and allocation not in kept:
                 ledgers.remove(allocation)
         listeners: Listeners = {}
+        self.elsewhere = set()
         for allocation, (uid, memories) in kept.items():
             if allocation in ledgers:
+                continue
+            if ledgers.served_elsewhere(allocation):
+                self.elsewhere.add(allocation)
                 continue
             try:
                 listeners[allocation] = (ledgers.bind(allocation), memories)
@@ -186,7 +237,10 @@ class ClaimStore:
                 if lost or event.change in (Change.RESCAN, Change.READY) or self.missing_specs:
                     # Only specs of claims still prepared come back; the driver's own removals are not losses.
                     restored = await self.restore()
-                    if restored and event.change is not Change.READY:
+                    if restored and event.change is Change.READY:
+                        log.info("re-created the CDI specs of %d prepared claim(s) from %s", restored,
+                                 self.checkpoint.path)
+                    elif restored:
                         log.warning("CDI specs of prepared claims were removed from %s; re-created %d",
                                     self.cdi_dir, restored)
                 if self.missing_specs:
@@ -204,20 +258,23 @@ class ClaimStore:
     async def answer_completed(self, claims: Sequence[ClaimRef]) -> dict[str, Answer]:
         """The answers of the claims already prepared, their CDI specs written back where they went (without
         them the container gets no GPU); the rest are not answered."""
-        async with self._lock:
-            answers: dict[str, Answer] = {}
-            missing: dict[str, tuple[str, bytes]] = {}
-            for claim in claims:
-                if (devices := self.completed(claim.uid)) is None:
-                    continue
-                answers[claim.uid] = devices
-                record = self.checkpoint.claims[claim.uid]
-                if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
-                    missing[claim.uid] = (record.cdi_file, record.cdi_spec)
-            if missing:
-                for uid, why in (await _run_to_the_end(_write_specs, self.cdi_dir, missing)).items():
-                    answers[uid] = PrepareError(why)
-            return answers
+        answers: dict[str, Answer] = {}
+        try:
+            async with self._turn():
+                missing: dict[str, tuple[str, bytes]] = {}
+                for claim in claims:
+                    if (devices := self.completed(claim.uid)) is None:
+                        continue
+                    answers[claim.uid] = devices
+                    record = self.checkpoint.claims[claim.uid]
+                    if record.cdi_spec and record.cdi_file and not (self.cdi_dir / record.cdi_file).exists():
+                        missing[claim.uid] = (record.cdi_file, record.cdi_spec)
+                if missing:
+                    for uid, why in (await _run_to_the_end(_write_specs, self.cdi_dir, missing)).items():
+                        answers[uid] = PrepareError(why)
+        except UnusableCheckpoint as exc:
+            return dict.fromkeys((claim.uid for claim in claims), PrepareError(str(exc)))
+        return answers
 
     async def commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> dict[str, Answer]:
         """Commit the planned claims; each claim's answer. A claim another call prepared meanwhile keeps what it
@@ -226,19 +283,22 @@ class ClaimStore:
         The checkpoint is written twice, however many claims there are: once with every new claim PrepareStarted
         (before any side effect), once with them PrepareCompleted (after their layer directories and CDI specs).
         """
-        async with self._lock:
-            answers: dict[str, Answer] = {}
-            fresh: dict[str, tuple[ClaimRef, Plan]] = {}
-            for uid, entry in planned.items():
-                if (devices := self.completed(uid)) is not None:
-                    answers[uid] = devices
-                else:
-                    fresh[uid] = entry
-            if fresh:
-                committed, listeners = await _run_to_the_end(self._commit, fresh)
-                answers.update(committed)
-                await self._serve(listeners)
-            return answers
+        answers: dict[str, Answer] = {}
+        try:
+            async with self._turn():
+                fresh: dict[str, tuple[ClaimRef, Plan]] = {}
+                for uid, entry in planned.items():
+                    if (devices := self.completed(uid)) is not None:
+                        answers[uid] = devices
+                    else:
+                        fresh[uid] = entry
+                if fresh:
+                    committed, listeners = await _run_to_the_end(self._commit, fresh)
+                    answers.update(committed)
+                    await self._serve(listeners)
+        except UnusableCheckpoint as exc:
+            return dict.fromkeys(planned, PrepareError(str(exc)))
+        return answers
 
     def _commit(self, planned: Mapping[str, tuple[ClaimRef, Plan]]) -> tuple[dict[str, Answer], Listeners]:
         """Blocks (fsync): run in one thread, under the lock."""
@@ -321,32 +381,39 @@ class ClaimStore:
     async def forget(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         """Forget every claim of one call; a claim that was never prepared is simply not there. Each answer is ""
         (done) or why not; "done" only once the checkpoint no longer holds the claim."""
-        async with self._lock:
-            current = self.checkpoint.claims
-            gone = [claim for claim in claims if claim.uid in current]
-            directories = [allocation for claim in gone for allocation in current[claim.uid].layer_allocations]
-            if gone:
-                leaving = {claim.uid for claim in gone}
-                remaining = {uid: record for uid, record in current.items() if uid not in leaving}
-                try:
-                    await _run_to_the_end(self.checkpoint.save, remaining)
-                except OSError as exc:
-                    why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
-                    return {claim.uid: why for claim in claims}
-                if log.isEnabledFor(logging.DEBUG):
-                    for claim in gone:
-                        log.debug("unprepared claim %s", claim)
-                log.info("unprepared %s", named(gone))
-            # After the checkpoint let them go; a spec the checkpoint never held goes too.
-            await _run_to_the_end(_remove_specs, self.cdi_dir,
-                                  [cdi.spec_filename(self.kind, claim.uid) for claim in claims])
-            if directories and self.ledgers is not None:
-                for allocation in directories:
-                    self.ledgers.close(allocation)
-                await _run_to_the_end(self._remove_ledgers, directories)
-            for claim in claims:
-                self.missing_specs.pop(claim.uid, None)
-            return {claim.uid: "" for claim in claims}
+        try:
+            async with self._turn():
+                return await self._forget(claims)
+        except UnusableCheckpoint as exc:
+            return dict.fromkeys((claim.uid for claim in claims), str(exc))
+
+    async def _forget(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        current = self.checkpoint.claims
+        gone = [claim for claim in claims if claim.uid in current]
+        directories = [allocation for claim in gone for allocation in current[claim.uid].layer_allocations]
+        if gone:
+            leaving = {claim.uid for claim in gone}
+            remaining = {uid: record for uid, record in current.items() if uid not in leaving}
+            try:
+                await _run_to_the_end(self.checkpoint.save, remaining)
+            except OSError as exc:
+                why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}"
+                return {claim.uid: why for claim in claims}
+            if log.isEnabledFor(logging.DEBUG):
+                for claim in gone:
+                    log.debug("unprepared claim %s", claim)
+            log.info("unprepared %s", named(gone))
+        # After the checkpoint let them go; a spec the checkpoint never held goes too.
+        await _run_to_the_end(_remove_specs, self.cdi_dir,
+                              [cdi.spec_filename(self.kind, claim.uid) for claim in claims])
+        if directories and self.ledgers is not None:
+            self.elsewhere.difference_update(directories)
+            for allocation in directories:
+                self.ledgers.close(allocation)
+            await _run_to_the_end(self._remove_ledgers, directories)
+        for claim in claims:
+            self.missing_specs.pop(claim.uid, None)
+        return {claim.uid: "" for claim in claims}
 
     def _remove_ledgers(self, allocations: Sequence[str]) -> None:
         assert self.ledgers is not None

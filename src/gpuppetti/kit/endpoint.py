@@ -3,8 +3,8 @@ service and the DRA registration all serve through it.
 
 What it guards against: a path too long for a Unix socket, a file or directory where ours goes (said, and kept: it
 may be someone's), a stale socket or a symbolic link (dangling or not) left at our name by an earlier instance
-(replaced: the caller holds the directory's lock, so the name is ours; the link itself goes, never what it points
-to), the socket deleted or replaced
+(replaced: the name is ours, named for this instance or waited for until no other listens on it; the link itself
+goes, never what it points to), the socket deleted or replaced
 between bind and chmod (the kubelet empties its directories when it starts), and removing at stop a socket that a
 newer instance owns now.
 
@@ -27,11 +27,10 @@ from pathlib import Path
 import grpc
 
 from gpuppetti.base.grpcutil import new_server
+from gpuppetti.base.sockets import SOCKET_PATH_MAX
 
 log = logging.getLogger(__name__)
 
-# sun_path is 108 bytes on Linux, including the terminating NUL.
-MAX_SOCKET_PATH = 107
 
 
 class SocketError(Exception):
@@ -69,9 +68,9 @@ class UnixEndpoint:
         await self.stop()
         bound = self.path.with_name(f".gp-{secrets.token_hex(4)}.sock")
         for path in (self.path, bound):
-            if len(str(path)) > MAX_SOCKET_PATH:
+            if len(str(path)) > SOCKET_PATH_MAX:
                 which = "socket path" if path == self.path else "the name the socket is first bound at,"
-                raise SocketError(f"{which} {path} is {len(str(path))} bytes; Unix sockets allow {MAX_SOCKET_PATH}")
+                raise SocketError(f"{which} {path} is {len(str(path))} bytes; Unix sockets allow {SOCKET_PATH_MAX}")
         try:
             st = self.path.lstat()
         except FileNotFoundError:
@@ -82,8 +81,8 @@ class UnixEndpoint:
             if stat.S_ISDIR(st.st_mode) or not (stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                 kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a file that is not a socket"
                 raise SocketError(f"{self.path} is {kind}; the socket cannot be created there")
-            # A socket or a link left at our name by an earlier instance: the caller holds the directory's lock, so
-            # it is nobody's. A link goes itself (unlink never follows it), whatever it points to, if anything.
+            # A socket or a link left at our name by an earlier instance: nobody listens on our name but us. A link
+            # goes itself (unlink never follows it), whatever it points to, if anything.
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         server = new_server()

@@ -10,12 +10,15 @@ publisher's ``slices-source``, ``slices-reconcile`` and ``slices-watch``.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from gpuppetti.base.runtime import Runtime
+from gpuppetti.base.sockets import listening
 from gpuppetti.kit.draplugin import (
     PLUGIN_TYPE,
     SUPPORTED_VERSIONS,
@@ -26,11 +29,17 @@ from gpuppetti.kit.draplugin import (
     add_services,
 )
 from gpuppetti.kit.endpoint import UnixEndpoint
+from gpuppetti.kit.instances import instance_socket, remove_stale, sockets_like
 from gpuppetti.kit.publisher import PoolContent, SlicePublisher
 from gpuppetti.kit.registration import PluginRegistration, serve_and_register
 from gpuppetti.kit.seams import Changing, PluginMetrics, SliceWriter, Versioned
 
+log = logging.getLogger(__name__)
+
 S = TypeVar("S", bound=Versioned)
+
+REGISTRATION_SUFFIX = "-reg.sock"
+ANOTHER_INSTANCE_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -50,14 +59,22 @@ class PluginSpec(Generic[S]):
     writer: SliceWriter
     metrics: PluginMetrics
     stop_grace_s: float = 1.0
+    # This instance's name (the pod's UID in a DaemonSet): its sockets are named for it, so that a new instance
+    # serves beside the old one during a rolling update (kit.instances). None: the fixed names, one instance.
+    instance: str | None = None
 
     @property
     def socket(self) -> Path:
-        return self.plugin_dir / "dra.sock"
+        return instance_socket(self.plugin_dir, "dra", self.instance, ".sock")
 
     @property
     def registration_socket(self) -> Path:
-        return self.registry_dir / f"{self.driver_name}-reg.sock"
+        return instance_socket(self.registry_dir, self.driver_name, self.instance, REGISTRATION_SUFFIX)
+
+    def leftovers(self) -> list[Path]:
+        """The sockets other instances of this driver may have left on the node."""
+        return [*sockets_like(self.plugin_dir, "dra", ".sock"),
+                *sockets_like(self.registry_dir, self.driver_name, REGISTRATION_SUFFIX)]
 
 
 @dataclass(frozen=True)
@@ -95,9 +112,33 @@ def start(runtime: Runtime, driver: DraDriver, spec: PluginSpec[S]) -> KubeletPl
     # Published only once the kubelet has confirmed the registration: see kit.publisher.
     publisher = SlicePublisher(spec.writer, spec.source, spec.content_of, spec.node, spec.driver_name, spec.metrics,
                                registration.confirmed)
-    runtime.spawn("kubelet-services",
-                  serve_and_register(endpoint, registration_endpoint, f"DRA driver {spec.driver_name}"))
+    runtime.spawn("kubelet-services", _serve(spec, endpoint, registration_endpoint))
     runtime.spawn("slices-source", publisher.follow_source())
     runtime.spawn("slices-reconcile", publisher.reconcile_loop())
     runtime.spawn("slices-watch", publisher.watch())
     return KubeletPlugin(endpoint, registration, registration_endpoint, publisher)
+
+
+async def _serve(spec: PluginSpec[Any], endpoint: UnixEndpoint, registration_endpoint: UnixEndpoint) -> None:
+    own = (spec.socket, spec.registration_socket)
+    if spec.instance is None:
+        await _while_another_serves(own, endpoint)
+    # What killed instances left goes first: the kubelet would keep trying their sockets.
+    await asyncio.to_thread(remove_stale, spec.leftovers(), own)
+    await serve_and_register(endpoint, registration_endpoint, f"DRA driver {spec.driver_name}")
+
+
+async def _while_another_serves(sockets: tuple[Path, ...], endpoint: UnixEndpoint) -> None:
+    """With the fixed names, one instance at a time: taking over the sockets of one that serves would unregister
+    it while it prepares claims. Waits for it to stop, saying so."""
+    said = False
+    while busy := [path for path in sockets if await asyncio.to_thread(listening, path)]:
+        endpoint.problem = (f"another instance of the driver serves {busy[0]}; waiting for it to stop (give each "
+                            "instance its own sockets with --instance to run two side by side)")
+        if not said:
+            log.error("%s", endpoint.problem)
+            said = True
+        await asyncio.sleep(ANOTHER_INSTANCE_POLL_S)
+    if said:
+        log.info("the other instance stopped; this one serves now")
+    endpoint.problem = None

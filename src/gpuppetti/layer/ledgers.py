@@ -18,12 +18,11 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from gpuppetti.base.sockets import SOCKET_PATH_MAX, listening
 from gpuppetti.layer.ledger import MAX_CONNECTIONS, SOCKET_NAME, Connection, Ledger, SliceUse, Terms
 
 log = logging.getLogger(__name__)
 
-# The longest path a Unix socket may be bound at (sun_path holds 108 bytes, with its terminating NUL).
-SOCKET_PATH_MAX = 107
 
 
 class Ledgers:
@@ -41,6 +40,28 @@ class Ledgers:
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._open))
+
+    def served_elsewhere(self, allocation: str) -> bool:
+        """Whether another process (the other instance of a rolling update) serves the allocation's ledger now: its
+        processes are connected there, and taking the socket over would split what they hold from what new ones
+        reserve. One connect(2), which does not wait: call it in a thread all the same."""
+        if allocation in self._open:
+            return False
+        target = self.directory(allocation) / SOCKET_NAME
+        if len(os.fsencode(target)) <= SOCKET_PATH_MAX:
+            return listening(target)
+        # Too long to connect to: through a second name for the same socket, short, beside the layer directory's
+        # own (connect(2) finds the listener by the file, whatever its name).
+        alias = self.root.parent / f".c{secrets.token_hex(4)}"
+        try:
+            os.link(target, alias)
+        except OSError:
+            return False
+        try:
+            return listening(alias)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(alias)
 
     def bind(self, allocation: str) -> socket.socket:
         """The allocation's directory and its socket, bound and listening (an earlier socket there is replaced:

@@ -1,0 +1,72 @@
+"""Two instances of one plugin on a node, side by side during a rolling update.
+
+A DaemonSet that surges starts the new pod while the old one still serves. Each instance then needs sockets of its
+own: had the new one taken over the old one's names, the kubelet would see the old socket removed, unregister the
+driver, and fail what it was preparing meanwhile. Named for the instance (the pod's UID, as the Go helper's
+RollingUpdate option names them), both serve at once; the kubelet prefers the one registered last.
+
+An instance that is killed (SIGKILL, an OOM kill) leaves its sockets behind, and the kubelet would try them for
+ever: a socket named for an instance that no process listens on any more is removed when the next one starts. A
+socket whose listener answers is never touched: it belongs to a live instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from gpuppetti.base.sockets import SOCKET_PATH_MAX, listening
+
+log = logging.getLogger(__name__)
+
+# What names an instance in a socket another one may remove: a pod's UID, or the digest that stands for a long one.
+# Another plugin's socket that merely starts with our stem is never taken for one of ours.
+_INSTANCE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{16}")
+
+
+def instance_socket(directory: Path, stem: str, instance: str | None, suffix: str) -> Path:
+    """``<stem>-<instance><suffix>`` in ``directory`` (``<stem><suffix>`` without an instance); where that path
+    would be too long for a socket, the instance is replaced by a digest of it, which keeps it unique."""
+    if instance is None:
+        return directory / f"{stem}{suffix}"
+    path = directory / f"{stem}-{instance}{suffix}"
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        path = directory / f"{stem}-{hashlib.sha256(instance.encode()).hexdigest()[:16]}{suffix}"
+    return path
+
+
+def remove_stale(candidates: Iterable[Path], own: Iterable[Path]) -> list[Path]:
+    """Remove each candidate socket, other than ``own``, that nobody listens on; returns those removed. Blocks:
+    call it in a thread."""
+    mine = set(own)
+    removed: list[Path] = []
+    for path in candidates:
+        if path in mine or not path.is_socket() or listening(path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    if removed:
+        log.info("removed %d socket(s) that no instance serves any more: %s", len(removed),
+                 ", ".join(str(path) for path in removed))
+    return removed
+
+
+def sockets_like(directory: Path, stem: str, suffix: str) -> list[Path]:
+    """The sockets in ``directory`` an instance of this plugin may have left: ``<stem><suffix>``, and
+    ``<stem>-<instance><suffix>`` where the instance is a pod's UID or a digest."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found: list[Path] = []
+    for name in names:
+        if name == f"{stem}{suffix}" or (name.startswith(f"{stem}-") and name.endswith(suffix)
+                                          and _INSTANCE.fullmatch(name[len(stem) + 1:len(name) - len(suffix)])):
+            found.append(directory / name)
+    return found
