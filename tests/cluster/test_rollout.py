@@ -61,7 +61,7 @@ NOT_YET = pytest.mark.xfail(strict=True, reason="a rolling restart still loses p
 
 # A measurement of what the next change must fix, and minutes long: make test leaves it out (-m rollout runs it).
 @pytest.mark.rollout
-@pytest.mark.parametrize("mode", [pytest.param("plugin", marks=NOT_YET), pytest.param("dra", marks=NOT_YET)])
+@pytest.mark.parametrize("mode", [pytest.param("plugin", marks=NOT_YET), "dra"])
 def test_rolling_restart_while_pods_arrive(node: RealNode, image: str, workdir: Path, installed: None,
                                            mode: str) -> None:
     config = write_config(workdir, f"{mode}.yaml", CONFIGS[mode])

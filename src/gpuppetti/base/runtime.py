@@ -10,6 +10,7 @@ Duties that must stop in a given order (unregister before the service goes away)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -26,6 +27,8 @@ UMASK = 0o077
 # How long the duties have to finish once cancelled before the ones still running are named in the log and
 # cancelled again (a duty that swallowed its cancellation, or waits on something that never comes).
 STOP_DEADLINE_S = 10.0
+# The longest a stop waits for what runs before it (before_stop), within the pod's 30 s of grace.
+HANDOVER_S = 10.0
 # How long what the libraries left running once every duty stopped has to end before the loop closes (see
 # _let_the_rest_end).
 REST_S = 1.0
@@ -71,6 +74,7 @@ class Runtime:
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._at_end: list[Callable[[], None]] = []
+        self._before_stop: list[Callable[[], Awaitable[None]]] = []
 
     def request_stop(self, why: str) -> None:
         if not self.stopping.is_set():
@@ -89,6 +93,11 @@ class Runtime:
         """Release something that the process's exit would release (a lock), once every duty has stopped: a daemon
         that runs in a test's event loop outlives its runtime."""
         self._at_end.append(release)
+
+    def before_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Await ``hook`` when a stop is asked for, before any duty is cancelled, for at most HANDOVER_S: what a
+        process hands to the next one (a rolling update's) while it still serves. Not on a failure."""
+        self._before_stop.append(hook)
 
     def spawn(self, name: str, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Start a duty as a named task of the process's TaskGroup."""
@@ -119,6 +128,10 @@ class Runtime:
                 self._group = group
                 starting = self.spawn("start", self._start(start))
                 await self.stopping.wait()
+                for hook in self._before_stop:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(HANDOVER_S):
+                            await hook()
                 starting.cancel()
                 for task in list(self._tasks):
                     task.cancel()

@@ -61,7 +61,10 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
     metrics = Metrics()
     http = HttpServer(metrics)
     serving = options.serving
-    if serving.http_address:
+    if serving.http_address and options.instance is not None:
+        # Beside the old instance of a rolling update, which may hold the port on the node's network.
+        runtime.spawn("http", http.serve_once_free(serving.http_address))
+    elif serving.http_address:
         await http.start(serving.http_address)
         runtime.spawn("http", http.serve())
     metrics.watch(inventory)

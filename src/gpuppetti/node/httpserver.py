@@ -3,6 +3,8 @@ loop."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import logging
 from collections.abc import Callable
@@ -22,6 +24,8 @@ Readiness = Callable[[], str | None]
 GPUS_PATH = "/v1/gpus"
 SLICES_PATH = "/v1/slices"
 READY_NOTE = "ok: "
+# How often a port another process holds is tried again.
+PORT_POLL_S = 0.25
 CONTENT_TYPE_LATEST = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -86,6 +90,24 @@ class HttpServer:
         except OSError as exc:
             raise AddressError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
         log.info("serving /healthz and /metrics on http://%s", bound)
+
+    async def serve_once_free(self, address: str) -> None:
+        """The HTTP duty where another instance of the daemon may hold the port (a rolling update's old pod on the
+        node's network): wait until it is free, saying so, then serve."""
+        said = False
+        while True:
+            try:
+                await self.start(address)
+                break
+            except AddressError as exc:
+                if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno != errno.EADDRINUSE:
+                    raise
+                if not said:
+                    log.warning("%s: another process holds the port (the other instance of a rolling update, on "
+                                "the node's network); serving once it is free", exc)
+                    said = True
+            await asyncio.sleep(PORT_POLL_S)
+        await self.serve()
 
     async def serve(self) -> None:
         """The HTTP duty: serve until cancelled, then close the listener."""

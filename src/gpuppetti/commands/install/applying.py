@@ -67,6 +67,9 @@ def on_host_network(objects: list[dict[str, Any]], server: str) -> list[dict[str
             spec["hostNetwork"] = True
             spec["dnsPolicy"] = "ClusterFirstWithHostNet"
             spec["containers"][0]["env"] += env
+            # On the node's network a port is the node's (the API server makes it a hostPort), and the scheduler
+            # would keep a surging DaemonSet's new pod off the node while the old one holds it.
+            spec["containers"][0].pop("ports", None)
     return objects
 
 
