@@ -53,15 +53,9 @@ def installed(node: RealNode) -> Iterator[None]:
     run_cli("uninstall", "--kubeconfig", str(node.kubeconfig), "--timeout", "120", timeout=300)
 
 
-# Neither front end meets this yet (docs/reliability.md has the figures): the device plugin's kubelet refuses the pods
-# that arrive between the old instance's stop and the new one's registration, and the DRA driver's kubelet fails
-# their preparation and retries only a minute or more later. Strict: the day it holds, this says so.
-NOT_YET = pytest.mark.xfail(strict=True, reason="a rolling restart still loses pods (issue 38, item 1)")
-
-
 # A measurement of what the next change must fix, and minutes long: make test leaves it out (-m rollout runs it).
 @pytest.mark.rollout
-@pytest.mark.parametrize("mode", [pytest.param("plugin", marks=NOT_YET), "dra"])
+@pytest.mark.parametrize("mode", ["plugin", "dra"])
 def test_rolling_restart_while_pods_arrive(node: RealNode, image: str, workdir: Path, installed: None,
                                            mode: str) -> None:
     config = write_config(workdir, f"{mode}.yaml", CONFIGS[mode])

@@ -14,6 +14,7 @@ import pytest
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.kubelet.emulator import AdmissionError, Container, KubeletEmulator, Pod
 from tests.helpers import TWO_M3_MAX, Daemon
+from tests.ledger_client import Process
 
 pytestmark = pytest.mark.e2e
 APPLE = "apple.com/gpu"
@@ -305,3 +306,49 @@ async def test_stops_cleanly_and_removes_its_socket(
     assert await plugin.stop(signum) == 0
     assert not (plugin_dir / SOCKET).exists()
     assert (plugin_dir / "kubelet.sock").exists()
+
+
+OLD = "0b3f1d6e-2a4c-4e8f-9a1b-3c5d7e9f1a2b"
+NEW = "7c9e2f4a-6b8d-4c1e-8f3a-5b7d9e1f3a5c"
+
+
+async def test_two_instances_take_turns_and_the_new_one_takes_the_old_ones_ledgers(
+    kubelet: KubeletEmulator, start_plugin_process: Callable[..., Daemon], plugin_dir: Path
+) -> None:
+    """A rolling update that surges: the new instance serves on a socket of its own beside the old one, the kubelet
+    takes its registration, and it serves the old one's ledgers once that one has stopped."""
+    old = start_plugin_process(TWO_M3_MAX, "--instance", OLD)
+    first = await kubelet.wait_registered(APPLE)
+    assert first.socket == plugin_dir / f"gpuppetti-apple.com_gpu-{OLD}.sock"
+    [held] = await kubelet.admit(Pod.simple("held", APPLE))
+    if "GPUPPETTI_VK_LEDGER" not in dict(held.response.envs):
+        pytest.skip("the Vulkan layer is not built here: no ledger to hand over")
+    [ledger] = (plugin_dir.parent / "vulkan" / "ledgers").iterdir()
+    tenant = await asyncio.to_thread(Process, ledger)
+
+    new = start_plugin_process(TWO_M3_MAX, "--instance", NEW)
+    second = await kubelet.wait_registered(APPLE, count=2)
+    assert second.socket == plugin_dir / f"gpuppetti-apple.com_gpu-{NEW}.sock"
+    assert old.running() and (plugin_dir / f"gpuppetti-apple.com_gpu-{OLD}.sock").exists()
+    # Still the old one's: its process is connected there.
+    await asyncio.to_thread(tenant.sync)
+    async with asyncio.timeout(10):
+        while len(second.devices) < 8:  # the new instance's first list
+            await asyncio.sleep(0.02)
+    [other] = await kubelet.admit(Pod.simple("other", APPLE))
+    assert other.device_ids != held.device_ids
+
+    assert await old.stop() == 0
+    # The old one never took the resource back, whatever the kubelet did with its stream.
+    registered = [event.detail for event in kubelet.events if event.kind == "registered"]
+    assert registered[-1] == second.socket.name and registered.count(first.socket.name) == 1, registered
+    assert kubelet.endpoints[APPLE].connected
+    with pytest.raises((ConnectionError, OSError)):
+        await asyncio.to_thread(tenant.sync)
+    tenant.close()
+    await new.wait_for_log("took over the ledger")
+    later = await asyncio.to_thread(Process, ledger)
+    await asyncio.to_thread(later.sync)
+    later.close()
+    assert not (plugin_dir / f"gpuppetti-apple.com_gpu-{OLD}.sock").exists()
+    assert new.running()

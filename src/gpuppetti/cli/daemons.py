@@ -22,7 +22,7 @@ def plugin(args: argparse.Namespace, runtime: Runtime) -> Coroutine[Any, Any, No
     from gpuppetti.deviceplugin.run import Labelling, PluginOptions, run_plugin
 
     labelling = Labelling(args.node_name, args.kubeconfig) if args.label_node else None
-    options = PluginOptions(args.device_plugin_dir, serving(args), labelling)
+    options = PluginOptions(args.device_plugin_dir, serving(args), labelling, args.instance)
     return run_plugin(runtime, sources(args), options)
 
 

@@ -71,6 +71,13 @@ _VULKAN_LAYER_DIR = Opt(
     "containers mount it; '' turns enforcement off")
 
 
+def _instance(sockets: str, outcome: str) -> Opt:
+    return Opt(("--instance",), env="GPUPPETTI_INSTANCE", convert=values.instance_name, metavar="NAME",
+               shown_default="none: the fixed socket names, one instance at a time",
+               help=f"this instance's name (in a DaemonSet, the pod's UID): its sockets are named for it ({sockets}), "
+               f"so that during a rolling update the new instance serves beside the old one and the kubelet {outcome}")
+
+
 def _node_name(what: str) -> Opt:
     return Opt(("--node-name",), env="NODE_NAME", convert=values.node_name, metavar="NAME", help=what)
 
@@ -116,6 +123,7 @@ COMMANDS = (
                 default=DEFAULT_DEVICE_PLUGIN_DIR, metavar="DIR",
                 help="the kubelet's device plugin directory, holding kubelet.sock"),
             _cdi_dir("where the CDI spec goes when plugin.deviceListStrategy includes a CDI strategy"),
+            _instance("gpuppetti-RESOURCE-NAME.sock", "is left without the resource as briefly as it allows"),
             Switch("--label-node", env="GPUPPETTI_LABEL_NODE",
                    help="label this node with its GPU (gpuppetti.dev/gpu.vendor, .model, .cores, .memory, .count, "
                    ".replicas, .sharing-strategy) and keep the labels current; needs --node-name and RBAC to get "
@@ -141,11 +149,7 @@ COMMANDS = (
                 default=DEFAULT_REGISTRY_DIR, metavar="DIR", help="the kubelet's plugin registry directory"),
             Opt(("--plugins-dir",), env="GPUPPETTI_PLUGINS_DIR", convert=values.path, default=DEFAULT_PLUGINS_DIR,
                 metavar="DIR", help="where the driver's socket and checkpoint go, under <driver>/"),
-            Opt(("--instance",), env="GPUPPETTI_INSTANCE", convert=values.instance_name, metavar="NAME",
-                shown_default="none: the fixed socket names, one instance at a time",
-                help="this instance's name (in a DaemonSet, the pod's UID): its sockets are named for it "
-                "(dra-NAME.sock, DRIVER-NAME-reg.sock), so that during a rolling update the new instance serves "
-                "beside the old one and the kubelet loses no claim"),
+            _instance("dra-NAME.sock, DRIVER-NAME-reg.sock", "loses no claim"),
             _cdi_dir("where the per-claim CDI specs are written"),
             _VULKAN_LAYER_DIR,
             _kubeconfig("kubeconfig for the API server"),

@@ -187,21 +187,14 @@ def _daemonset(options: Options, component: str, args: list[str], mounts: list[d
         "metadata": _metadata(name, options.namespace, component),
         "spec": {
             "selector": {"matchLabels": selector},
-            "updateStrategy": _update_strategy(options.mode),
+            # The new pod starts beside the old one (sockets named for each, kit.instances), and the old one goes
+            # once the new one is ready: the kubelet always has an instance to serve it.
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             # Prometheus's kubernetes_sd pod role reads these (deploy/grafana has a dashboard over what it scrapes).
             "template": {"metadata": {"labels": {**LABELS, **selector}, "annotations": SCRAPE_ANNOTATIONS},
                          "spec": spec},
         },
     }
-
-
-def _update_strategy(mode: Mode) -> dict[str, Any]:
-    # The DRA driver's new pod starts beside the old one (sockets named for each, kit.instances), and the old one
-    # goes once the new one is ready: the kubelet always has an instance to prepare claims. The kubelet's device
-    # manager takes one plugin per resource, so the device plugin's pods take turns.
-    if mode == "dra":
-        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    return {"type": "RollingUpdate"}
 
 
 def _security_context(options: Options) -> dict[str, Any]:
@@ -233,9 +226,9 @@ def _env(options: Options) -> list[dict[str, Any]]:
     }
     if options.mode == "plugin" and options.label_node:
         settings["GPUPPETTI_LABEL_NODE"] = "true"
-    instance = ([{"name": "GPUPPETTI_INSTANCE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
-                if options.mode == "dra" else [])
-    return [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}, *instance,
+    # The pod's UID names its sockets: a rolling update's two pods serve side by side.
+    return [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "GPUPPETTI_INSTANCE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
             *({"name": key, "value": value} for key, value in settings.items())]
 
 

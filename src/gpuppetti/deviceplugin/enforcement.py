@@ -16,7 +16,7 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -38,11 +38,17 @@ OWNERS_DELAY_S = 2.0
 # A directory this young may belong to an Allocate the kubelet has not recorded yet.
 GRACE_S = 60.0
 PREFIX = "dp-"
+# How often the records are looked at again while another instance of the plugin serves.
+TAKE_OVER_POLL_S = 0.25
 
 
 def allocation_id(unit_ids: Sequence[str]) -> str:
     digest = hashlib.sha256("\n".join(sorted(unit_ids)).encode()).hexdigest()
     return f"{PREFIX}{digest[:24]}"
+
+
+async def _no_other() -> bool:
+    return False
 
 
 def pod_resources_socket(device_plugin_dir: Path) -> Path:
@@ -69,12 +75,23 @@ class Enforcer:
         self._said_no_pod_resources = False
         # Set by an Allocate: the kubelet is asked, shortly after, whose container the units went to.
         self._allocated = asyncio.Event()
+        # Units the plugin advertises (start's), the ledgers another instance serves now, and whether another
+        # instance of the plugin serves at all (the plugin's manager says; see take_over).
+        self._advertised: set[str] = set()
+        self.elsewhere: set[str] = set()
+        self.others_serving: Callable[[], Awaitable[bool]] = _no_other
 
     async def start(self, advertised: set[str]) -> None:
-        """Serve again the ledgers of the recorded allocations whose units are still advertised; forget the rest."""
+        """Serve again the ledgers of the recorded allocations whose units are still advertised; forget the rest.
+        Those another instance serves now (the other pod of a rolling update) stay its own (``elsewhere``)."""
+        self._advertised = advertised
         records = await asyncio.to_thread(self.layer.read_records)
+        elsewhere: set[str] = set()
         for allocation, record in records.items():
-            if not allocation.startswith(PREFIX):
+            if not allocation.startswith(PREFIX) or allocation in self._allocations:
+                continue
+            if await asyncio.to_thread(self.ledgers.served_elsewhere, allocation):
+                elsewhere.add(allocation)
                 continue
             if record is not None and record.units and set(record.units) <= advertised:
                 try:
@@ -87,9 +104,27 @@ class Enforcer:
             else:
                 await asyncio.to_thread(self._remove, allocation)
         stray = [a for a in await asyncio.to_thread(self.ledgers.on_disk)
-                 if a.startswith(PREFIX) and a not in self._allocations]
+                 if a.startswith(PREFIX) and a not in self._allocations and a not in elsewhere and a not in records]
         for allocation in stray:
             await asyncio.to_thread(self._remove, allocation)
+        self.elsewhere = elsewhere
+
+    async def take_over(self) -> None:
+        """Duty, done once nothing is left to take: while another instance of the plugin serves (the old pod of a
+        rolling update, which may still make allocations), look at the records again, and serve each of its ledgers
+        once it has stopped serving it: the processes connected there declare what they hold to this one."""
+        while await self._others_hold_any():
+            await asyncio.sleep(TAKE_OVER_POLL_S)
+            before = set(self.elsewhere)
+            await self.start(self._advertised)
+            if taken := before - self.elsewhere - self._gone(before):
+                log.info("took over the ledger(s) of %d allocation(s) from the plugin's other instance", len(taken))
+
+    async def _others_hold_any(self) -> bool:
+        return bool(self.elsewhere) or await self.others_serving()
+
+    def _gone(self, allocations: set[str]) -> set[str]:
+        return {allocation for allocation in allocations if allocation not in self._allocations}
 
     async def allocate(self, given: Sequence[Unit], budgets: Sequence[Budget]) -> ContainerEdits:
         """The allocation's ledger, served, and the edits that put its container under the layer."""

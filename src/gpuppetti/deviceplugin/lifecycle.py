@@ -23,7 +23,6 @@ import logging
 import os
 import stat
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -35,11 +34,12 @@ from gpuppetti.base.nodepaths import KUBELET_SOCKET
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
-from gpuppetti.deviceplugin import cdispec
+from gpuppetti.deviceplugin import cdispec, instances
 from gpuppetti.deviceplugin.devicelists import DeviceLists
+from gpuppetti.deviceplugin.endpoints import Registration, ResourceEndpoint, Supervised, Supervision
 from gpuppetti.deviceplugin.enforcement import Enforcer
-from gpuppetti.deviceplugin.server import DevicePluginService, too_big
-from gpuppetti.kit.endpoint import SocketError, UnixEndpoint
+from gpuppetti.deviceplugin.server import too_big
+from gpuppetti.kit.endpoint import SocketError
 from gpuppetti.kit.registration import register_device_plugin
 from gpuppetti.node.inventory import Inventory
 from gpuppetti.node.metrics import Metrics
@@ -51,85 +51,7 @@ API_VERSION = "v1beta1"
 REGISTER_TIMEOUT_S = 15.0
 # After Register, how long to wait for the kubelet's ListAndWatch stream before registering again.
 STREAM_WAIT_S = 10.0
-STOP_GRACE_S = 0.2
 OPTIONS = pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
-
-
-def socket_name(resource: str) -> str:
-    return f"gpuppetti-{resource.replace('/', '_')}.sock"
-
-
-class ResourceEndpoint:
-    """One resource's Device Plugin service, served on one Unix socket of ours (the kit's endpoint)."""
-
-    def __init__(
-        self, inventory: Inventory, resource: str, directory: Path, metrics: Metrics, cdi_kind: str = cdispec.KIND,
-        wake: asyncio.Event | None = None, enforcer: Enforcer | None = None, lists: DeviceLists | None = None,
-    ) -> None:
-        self.resource = resource
-        self.socket_name = socket_name(resource)
-        self.path = directory / self.socket_name
-        # A ListAndWatch stream opening or ending wakes the supervisor: it is how a registration lives or dies.
-        self.wake = wake or asyncio.Event()
-        self.service = DevicePluginService(inventory, resource, metrics, cdi_kind, lambda count: self.wake.set(),
-                                           enforcer, lists)
-        self._endpoint = UnixEndpoint(self.path, lambda server: server.add_generic_rpc_handlers(
-            (self.service.handler(),)), STOP_GRACE_S)
-        # Bumped on every (re)start: a new socket needs a new registration.
-        self.serial = 0
-
-    def intact(self) -> bool:
-        """Whether our socket file is still there, and still the one our server bound."""
-        return self._endpoint.intact()
-
-    async def restart(self) -> None:
-        """Serve on a fresh socket. Raises SocketError (a state to wait out) when the path cannot take one."""
-        await self._endpoint.start()
-        self.serial += 1
-        log.info("%s: serving on %s", self.resource, self.path)
-
-    async def stop(self) -> None:
-        await self._endpoint.stop()
-
-
-@dataclass
-class _Supervised:
-    endpoint: ResourceEndpoint
-    wake: asyncio.Event
-    task: asyncio.Task[None]
-    registered: bool = False
-    # Why it is not registered (for /healthz), when it is not.
-    why: str = "starting"
-    # The deadline of a Register in flight: a kubelet that restarts meanwhile deleted our socket, and would spend
-    # its whole dial timeout (10 s) on it, so anything that wakes the supervisor cuts the Register short.
-    registering: asyncio.Timeout | None = None
-    cut_short: bool = False
-
-    def wake_up(self) -> None:
-        self.wake.set()
-        if self.registering is not None and not self.registering.expired():
-            self.cut_short = True
-            self.registering.reschedule(asyncio.get_running_loop().time())
-
-
-@dataclass
-class _Registration:
-    kubelet: tuple[int, int, int]
-    serial: int
-    at: float = field(default_factory=time.monotonic)
-    connected: bool = False
-
-
-@dataclass
-class _Supervision:
-    """What one resource's supervisor carries from one turn of its loop to the next."""
-
-    endpoint: ResourceEndpoint
-    wake: asyncio.Event
-    backoff: Backoff = field(default_factory=lambda: Backoff(0.1, 5.0))
-    current: _Registration | None = None
-    # Whether waiting for the kubelet was said since the last registration.
-    waiting_logged: bool = False
 
 
 class DevicePluginManager:
@@ -137,7 +59,7 @@ class DevicePluginManager:
 
     def __init__(
         self, inventory: Inventory, directory: Path, metrics: Metrics | None = None, cdi_dir: Path | None = None,
-        cdi_kind: str = cdispec.KIND, enforcer: Enforcer | None = None,
+        cdi_kind: str = cdispec.KIND, enforcer: Enforcer | None = None, instance: str | None = None,
     ) -> None:
         self._inventory = inventory
         self.directory = directory
@@ -148,7 +70,8 @@ class DevicePluginManager:
         self.lists = DeviceLists()
         self._cdi_written: dict[str, object] | None = None
         self.kubelet_socket = directory / KUBELET_SOCKET
-        self._resources: dict[str, _Supervised] = {}
+        self._resources: dict[str, Supervised] = {}
+        self.instance = instance  # its sockets named for it, beside the other instance's; without, one at a time
         self.lock = InstanceLock(directory, "device plugin")
         self._kubelet_problem: str | None = None
         # What the plugin waits for while the directory is not there (for /healthz).
@@ -156,10 +79,8 @@ class DevicePluginManager:
 
     def waiting_for(self) -> str | None:
         """None once every resource is registered with the kubelet; else what is missing (for /healthz)."""
-        if self._directory_missing:
-            return self._directory_missing
-        if self.lock.waiting_for:
-            return self.lock.waiting_for
+        if self._directory_missing or self.lock.waiting_for:
+            return self._directory_missing or self.lock.waiting_for
         if not self._resources:
             return "no resource is being served yet"
         snapshot = self._inventory.snapshot
@@ -207,8 +128,13 @@ class DevicePluginManager:
         """Take the directory's lock, then spawn the socket watcher and the reconciler as duties."""
         if not self.check_directory():
             await self._until_the_directory_exists()
-        await self.lock.acquire()
-        runtime.at_end(self.lock.release)
+        if self.instance is None:
+            await self.lock.acquire()
+            runtime.at_end(self.lock.release)
+        else:
+            runtime.before_stop(lambda: instances.wait_for_the_next(self.directory, self.own_sockets(), any(
+                sup.registered for sup in self._resources.values())))
+            await instances.remove_left(self.directory, self._inventory.plan, self.instance)
         try:
             await self._write_cdi_spec()
         except OSError as exc:
@@ -246,11 +172,11 @@ class DevicePluginManager:
                 for name in sorted(wanted - self._resources.keys()):
                     wake = asyncio.Event()
                     endpoint = ResourceEndpoint(self._inventory, name, self.directory, self.metrics, self.cdi_kind,
-                                                wake, self.enforcer, self.lists)
+                                                wake, self.enforcer, self.lists, self.instance)
                     # The list is encoded before the kubelet asks for it: its first list costs a join.
                     self.lists.of(self._inventory.snapshot, name)
                     task = runtime.spawn(f"device-plugin {name}", self._supervise(endpoint, wake))
-                    self._resources[name] = _Supervised(endpoint, wake, task)
+                    self._resources[name] = Supervised(endpoint, wake, task)
                 for name in sorted(self._resources.keys() - wanted):
                     log.info("%s: no longer advertised; stopping its server", name)
                     self._resources.pop(name).task.cancel()
@@ -258,6 +184,9 @@ class DevicePluginManager:
         finally:
             self._resources.clear()
             log.info("device plugin stopped; sockets removed")
+
+    def own_sockets(self) -> set[Path]:
+        return {sup.endpoint.path for sup in self._resources.values()}
 
     def _wake_all(self) -> None:
         for sup in self._resources.values():
@@ -322,7 +251,7 @@ class DevicePluginManager:
 
     async def _supervise(self, endpoint: ResourceEndpoint, wake: asyncio.Event) -> None:
         """Duty: keep one resource's socket served and registered with the kubelet that is there now."""
-        state = _Supervision(endpoint, wake)
+        state = Supervision(endpoint, wake)
         name = endpoint.resource
         try:
             while True:
@@ -337,7 +266,7 @@ class DevicePluginManager:
                     await self._wait_for_kubelet(state)
                     continue
                 if await self._register_once(state):
-                    state.current = _Registration(kubelet, endpoint.serial)
+                    state.current = Registration(kubelet, endpoint.serial)
                     state.waiting_logged = False
                     self.metrics.registrations.labels(name).inc()
                     log.info("%s: registered with the kubelet (endpoint %s)", name, endpoint.socket_name)
@@ -345,7 +274,7 @@ class DevicePluginManager:
             self._mark(name, False, "stopped")
             await endpoint.stop()
 
-    async def _serve_again(self, state: _Supervision) -> bool:
+    async def _serve_again(self, state: Supervision) -> bool:
         """Serve the resource's socket anew (gone, or never served); False when it cannot be yet, after waiting."""
         endpoint, name = state.endpoint, state.endpoint.resource
         if endpoint.serial:
@@ -362,7 +291,7 @@ class DevicePluginManager:
             return False
         return True
 
-    async def _still_registered(self, state: _Supervision, kubelet: tuple[int, int, int] | None) -> bool:
+    async def _still_registered(self, state: Supervision, kubelet: tuple[int, int, int] | None) -> bool:
         """Whether the registration holds (or may still: its stream has not opened yet), after waiting for a change;
         False, the registration dropped, when the resource must register again."""
         current, endpoint, name = state.current, state.endpoint, state.endpoint.resource
@@ -373,6 +302,11 @@ class DevicePluginManager:
                 state.backoff.reset()
                 self._mark(name, True)
             await _wait(state.wake)
+            return True
+        if current.connected and self.instance and (newer := await instances.newer(endpoint.path, name)):
+            # Replaced by the next instance of a rolling update: registering again would take the resource back.
+            self._mark(name, False, f"the plugin's newer instance serves it on {newer.name}")
+            await _wait(state.wake, instances.NEWER_POLL_S)
             return True
         if current.connected:
             log.info("%s: the kubelet's ListAndWatch stream ended (kubelet restart?); registering again", name)
@@ -386,7 +320,7 @@ class DevicePluginManager:
         state.current = None
         return False
 
-    async def _wait_for_kubelet(self, state: _Supervision) -> None:
+    async def _wait_for_kubelet(self, state: Supervision) -> None:
         delay = state.backoff.next()
         if not state.waiting_logged or state.backoff.at_maximum:
             # A kubelet restart takes a moment: said quietly first, loudly while it lasts.
@@ -397,7 +331,7 @@ class DevicePluginManager:
             state.waiting_logged = True
         await _wait(state.wake, delay)
 
-    async def _register_once(self, state: _Supervision) -> bool:
+    async def _register_once(self, state: Supervision) -> bool:
         """One Register, cut short by anything that wakes the supervisor; False when it failed (after waiting, unless
         it was cut short)."""
         name = state.endpoint.resource

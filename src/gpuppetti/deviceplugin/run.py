@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.core.model import Serves
+from gpuppetti.deviceplugin import instances
 from gpuppetti.deviceplugin.enforcement import Enforcer, pod_resources_socket
 from gpuppetti.deviceplugin.lifecycle import DevicePluginManager
 from gpuppetti.layer.vulkan import install_layer
@@ -37,6 +38,8 @@ class PluginOptions:
     device_plugin_dir: Path
     serving: Serving
     labelling: Labelling | None = None
+    # This instance's name (the pod's UID): its sockets are named for it (kit.instances).
+    instance: str | None = None
 
 
 async def run_plugin(runtime: Runtime, sources: Sources, options: PluginOptions) -> None:
@@ -61,7 +64,13 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
         await enforcer.start({unit.id for plan in inventory.plan.values() for unit in plan.units})
         runtime.spawn("ledger-owners", enforcer.keep_in_use())
     manager = DevicePluginManager(inventory, options.device_plugin_dir, metrics, options.serving.cdi_dir,
-                                  enforcer=enforcer)
+                                  enforcer=enforcer, instance=options.instance)
+    if enforcer is not None and options.instance is not None:
+        async def others_serving() -> bool:
+            return bool(await instances.others(manager.directory, manager.own_sockets()))
+
+        enforcer.others_serving = others_serving
+        runtime.spawn("ledgers-take-over", enforcer.take_over())
 
     def waiting_for() -> str | None:
         if not inventory.gpus:
@@ -75,7 +84,10 @@ async def start_plugin(runtime: Runtime, sources: Sources, options: PluginOption
     http.readiness = waiting_for
     http.records = lambda: gpu_records(inventory.snapshot, enforcement.enforced, hooks=False)
     http.slices = lambda: slice_records(enforcer)
-    if options.serving.http_address:
+    if options.serving.http_address and options.instance is not None:
+        # Beside the old instance of a rolling update, which may hold the port on the node's network.
+        runtime.spawn("http", http.serve_once_free(options.serving.http_address))
+    elif options.serving.http_address:
         await http.start(options.serving.http_address)
         runtime.spawn("http", http.serve())
 

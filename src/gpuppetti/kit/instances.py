@@ -12,12 +12,13 @@ socket whose listener answers is never touched: it belongs to a live instance.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from gpuppetti.base.sockets import SOCKET_PATH_MAX, listening
@@ -26,6 +27,12 @@ log = logging.getLogger(__name__)
 
 # What names an instance in a socket another one may remove: a pod's UID, or the digest that stands for a long one.
 # Another plugin's socket that merely starts with our stem is never taken for one of ours.
+# At a stop, how long an instance serves on while no other instance of it serves (a rolling update's next one is
+# starting: without one, the kubelet fails what it asks for meanwhile), how often it looks, and the kubelet's time
+# to take the next one's registration once its socket is there.
+HANDOVER_WAIT_S = 5.0
+HANDOVER_POLL_S = 0.1
+HANDOVER_GRACE_S = 0.5
 _INSTANCE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{16}")
 
 
@@ -70,3 +77,38 @@ def sockets_like(directory: Path, stem: str, suffix: str) -> list[Path]:
                                           and _INSTANCE.fullmatch(name[len(stem) + 1:len(name) - len(suffix)])):
             found.append(directory / name)
     return found
+
+
+def live_others(candidates: Iterable[Path], own: Collection[Path]) -> list[Path]:
+    """The candidate sockets, other than ``own``, that a process listens on. Blocks: call it in a thread."""
+    return [path for path in candidates if path not in own and listening(path)]
+
+
+def sockets_with(directory: Path, prefix: str, suffix: str) -> list[Path]:
+    """Every entry of ``directory`` named ``<prefix>*<suffix>``."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [directory / name for name in names if name.startswith(prefix) and name.endswith(suffix)]
+
+
+async def hand_over(others: Callable[[], list[Path]], what: str) -> None:
+    """Before an instance stops serving: wait (HANDOVER_WAIT_S at most) until ``others`` (blocking, run in a
+    thread) finds the next instance's socket, so that the kubelet is never left without one. Where the probes
+    cannot tell two instances apart (on the node's network both answer on one port), the DaemonSet may stop the old
+    one before the new one serves."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + HANDOVER_WAIT_S
+    said = False
+    while not (found := await asyncio.to_thread(others)):
+        if loop.time() >= deadline:
+            log.info("no other instance of the %s serves after %.0f s; stopping", what, HANDOVER_WAIT_S)
+            return
+        if not said:
+            log.info("waiting up to %.0f s for the %s's next instance to serve before stopping", HANDOVER_WAIT_S,
+                     what)
+            said = True
+        await asyncio.sleep(HANDOVER_POLL_S)
+    log.info("the %s's next instance serves %s; stopping", what, found[0])
+    await asyncio.sleep(HANDOVER_GRACE_S)

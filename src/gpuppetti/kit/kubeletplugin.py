@@ -29,7 +29,7 @@ from gpuppetti.kit.draplugin import (
     add_services,
 )
 from gpuppetti.kit.endpoint import UnixEndpoint
-from gpuppetti.kit.instances import instance_socket, remove_stale, sockets_like
+from gpuppetti.kit.instances import hand_over, instance_socket, live_others, remove_stale, sockets_like
 from gpuppetti.kit.publisher import PoolContent, SlicePublisher
 from gpuppetti.kit.registration import PluginRegistration, serve_and_register
 from gpuppetti.kit.seams import Changing, PluginMetrics, SliceWriter, Versioned
@@ -40,11 +40,6 @@ S = TypeVar("S", bound=Versioned)
 
 REGISTRATION_SUFFIX = "-reg.sock"
 ANOTHER_INSTANCE_POLL_S = 0.5
-# At a stop, how long an instance keeps serving while no other instance of the driver is registered: in a rolling
-# update the next one is starting, and without a registered instance the kubelet fails the claims it prepares then.
-HANDOVER_WAIT_S = 5.0
-# After the next instance's registration socket is there: the kubelet's own steps to register it.
-HANDOVER_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -152,28 +147,7 @@ async def _while_another_serves(sockets: tuple[Path, ...], endpoint: UnixEndpoin
 
 
 async def _hand_over(spec: PluginSpec[Any], registration: PluginRegistration) -> None:
-    """Before this instance unregisters: wait (HANDOVER_WAIT_S at most) until another instance of the driver serves
-    its registration, so that the kubelet always has one. Where the probes cannot tell the two instances apart (on
-    the node's network both answer on one port), the DaemonSet may stop this one before the next has registered."""
-    if not registration.registered:
-        return
-    own = spec.registration_socket
-
-    def others() -> list[Path]:
-        return [path for path in sockets_like(spec.registry_dir, spec.driver_name, REGISTRATION_SUFFIX)
-                if path != own and listening(path)]
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + HANDOVER_WAIT_S
-    said = False
-    while not (found := await asyncio.to_thread(others)):
-        if loop.time() >= deadline:
-            log.info("no other instance of the driver registered within %.0f s; unregistering", HANDOVER_WAIT_S)
-            return
-        if not said:
-            log.info("waiting up to %.0f s for the driver's next instance to register before unregistering",
-                     HANDOVER_WAIT_S)
-            said = True
-        await asyncio.sleep(ANOTHER_INSTANCE_POLL_S / 5)
-    log.info("the driver's next instance serves %s; unregistering", found[0])
-    await asyncio.sleep(HANDOVER_GRACE_S)
+    if registration.registered:
+        own = (spec.registration_socket,)
+        await hand_over(lambda: live_others(sockets_like(spec.registry_dir, spec.driver_name, REGISTRATION_SUFFIX),
+                                            own), f"DRA driver {spec.driver_name}")
