@@ -1,7 +1,11 @@
-"""The Helm chart in deploy/helm/gpuppetti renders what `gpuppetti manifests` renders for the same choices.
+"""The Helm chart in deploy/helm/gpuppetti, which tools/gen_chart.py renders from `gpuppetti manifests`.
 
-Rendered by Helm itself (helm-python-sdk, Helm v4's library: `helm template` without the binary) and compared with
-`gpuppetti manifests`' objects, parsed, object by object. Three differences are expected, and taken out first:
+The chart is no second source: its templates are the command's objects, written as Helm templates by the generator.
+What is checked here is that the committed chart is what the generator writes, that Helm renders it into the
+command's objects for a few sets of choices that take each of the generator's paths (the chart's values in each of
+its places, each part a value takes out, both modes), and what the chart adds of its own: the values' schema and
+checks, the notes, Helm's labels. Helm renders it with its own library (helm-python-sdk, Helm v4's library:
+`helm template` without the binary). Three differences from the command's objects are expected, and taken out first:
 - the Namespace: `gpuppetti manifests` prints one; the chart leaves it to Helm (`helm install -n NS
   --create-namespace`), because a chart that rendered its release's own namespace could not be installed into it;
 - HELM_LABELS, the labels Helm's conventions put on each object's metadata: removed from the chart's objects (after
@@ -54,74 +58,49 @@ DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 @dataclass
 class Case:
-    """Chart values and the same choices for `gpuppetti manifests`: its flags where it has them, else Options."""
+    """Chart values, and the Options that `gpuppetti manifests` renders the same objects for."""
 
     id: str
     values: dict[str, Any]
-    cli: list[str] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     namespace: str = "gpuppetti"
 
-    def expected(self, tmp_path: Path) -> list[dict[str, Any]]:
-        config = yaml.safe_dump(self.values["config"], sort_keys=False) if "config" in self.values else None
-        if self.cli is not None:
-            args = list(self.cli)
-            if config is not None:
-                (tmp_path / "config.yaml").write_text(config)
-                args[args.index("CONFIG")] = str(tmp_path / "config.yaml")
-            result = run_here("manifests", *args)
-            assert result.returncode == 0, result.stderr
-            text = result.stdout
-        else:
-            options = {"namespace": self.namespace, "config": config, **self.options}
-            text = manifests.to_yaml(manifests.render(manifests.Options(**options)))
-        return [o for o in yaml.safe_load_all(text) if o]
+    def expected(self) -> list[dict[str, Any]]:
+        options = manifests.Options(**{"namespace": self.namespace, **self.options})
+        return [o for o in yaml.safe_load_all(manifests.to_yaml(manifests.render(options))) if o]
 
 
 CASES = [
-    Case("default", {}, []),
-    Case("dra", {"mode": "dra"}, ["--mode", "dra"]),
-    Case("image", {"image": {"repository": "registry.example:5000/gpuppetti", "tag": "0.1.0"}},
-         ["--image", "registry.example:5000/gpuppetti:0.1.0"]),
-    Case("dra-image-pull-policy", {"mode": "dra", "image": {"repository": "registry.example/gpuppetti",
-                                                            "tag": "0.1.0", "pullPolicy": "Always"}},
-         ["--mode", "dra", "--image", "registry.example/gpuppetti:0.1.0", "--image-pull-policy", "Always"]),
-    Case("image-digest", {"image": {"repository": "registry.example/gpuppetti", "tag": DIGEST}},
-         ["--image", f"registry.example/gpuppetti@{DIGEST}"]),
-    Case("namespace", {"mode": "dra"}, ["--mode", "dra", "--namespace", "gpus"], namespace="gpus"),
-    Case("replicas", {"replicas": 4}, ["--replicas", "4"]),
-    Case("label-node", {"labelNode": True, "replicas": 2}, ["--label-node", "--replicas", "2"]),
-    Case("config", {"config": SIMULATED}, ["--config", "CONFIG"]),
-    Case("dra-config", {"mode": "dra", "config": DRA_CONFIG}, ["--mode", "dra", "--config", "CONFIG"]),
-    Case("preset", {"preset": "minikube-krunkit"}, ["--preset", "minikube-krunkit"]),
-    Case("preset-replicas", {"preset": "minikube-krunkit", "replicas": 2},
-         ["--preset", "minikube-krunkit", "--replicas", "2"]),
-    Case("node-selector-tolerations", {"nodeSelector": {"kubernetes.io/arch": "amd64", "pool": "gpu"},
-                                       "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "gpu",
-                                                        "effect": "NoSchedule"},
-                                                       {"key": "maintenance", "operator": "Exists"}]},
-         ["--node-selector", "kubernetes.io/arch=amd64", "--node-selector", "pool=gpu",
-          "--toleration", "dedicated=gpu:NoSchedule", "--toleration", "maintenance"]),
-    # No tolerations at all: a chart value only (the flag replaces the defaults with at least one).
-    Case("dra-node-selector-tolerations", {"mode": "dra", "nodeSelector": {"pool": "gpu"}, "tolerations": []},
-         options={"mode": "dra", "extra_node_selector": {"pool": "gpu"}, "tolerations": []}),
-    Case("preset-node-selector", {"preset": "minikube-krunkit", "nodeSelector": {"pool": "gpu"}},
-         ["--preset", "minikube-krunkit", "--node-selector", "pool=gpu"]),
-    # A map given merges into the default one, as Helm's values do; null takes a key out.
-    Case("resources", {"resources": {"requests": {"cpu": "50m"}, "limits": {"memory": "256Mi"}}},
-         ["--requests", "cpu=50m", "--limits", "memory=256Mi"]),
-    Case("dra-resources-no-limits", {"mode": "dra", "resources": {"limits": None}},
-         ["--mode", "dra", "--limits", "none"]),
-    Case("vulkan-layer-dir", {"vulkanLayerDir": "/opt/gpuppetti/vulkan"},
-         ["--vulkan-layer-dir", "/opt/gpuppetti/vulkan"]),
-    Case("dra-vulkan-layer-dir", {"mode": "dra", "vulkanLayerDir": "/opt/gpuppetti/vulkan"},
-         ["--mode", "dra", "--vulkan-layer-dir", "/opt/gpuppetti/vulkan"]),
-    Case("no-enforcement", {"vulkanLayerDir": ""}, ["--vulkan-layer-dir", ""]),
-    Case("dra-no-enforcement", {"mode": "dra", "vulkanLayerDir": ""}, ["--mode", "dra", "--vulkan-layer-dir", ""]),
-    # Accepted for one more release, and doing nothing either way.
-    Case("bound-allocation-dirs", {"boundAllocationDirs": True}, ["--bound-allocation-dirs"]),
-    Case("dra-bound-allocation-dirs", {"mode": "dra", "boundAllocationDirs": True, "vulkanLayerDir": "/opt/v"},
-         ["--mode", "dra", "--bound-allocation-dirs", "--vulkan-layer-dir", "/opt/v"]),
+    Case("default", {}),
+    Case("dra", {"mode": "dra"}, {"mode": "dra"}),
+    # Every value in its place, and every part a value can take out there.
+    Case("plugin-everything",
+         {"labelNode": True, "replicas": 3,
+          "image": {"repository": "registry.example/gpuppetti", "tag": "0.1.0", "pullPolicy": "Always"},
+          "nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+          "resources": {"requests": {"cpu": "50m"}}, "vulkanLayerDir": "/opt/gpuppetti/vulkan"},
+         {"label_node": True, "replicas": 3, "image": "registry.example/gpuppetti:0.1.0",
+          "image_pull_policy": "Always", "extra_node_selector": {"pool": "gpu"},
+          "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+          "resources": manifests.merged_resources({"requests": {"cpu": "50m"}}),
+          "vulkan_layer_dir": "/opt/gpuppetti/vulkan"},
+         namespace="gpus"),
+    Case("dra-everything",
+         {"mode": "dra", "config": DRA_CONFIG, "image": {"repository": "registry.example/gpuppetti", "tag": DIGEST,
+                                                         "pullPolicy": "Never"},
+          "nodeSelector": {"pool": "gpu"}, "vulkanLayerDir": "/opt/v"},
+         {"mode": "dra", "config": yaml.safe_dump(DRA_CONFIG), "image": f"registry.example/gpuppetti@{DIGEST}",
+          "image_pull_policy": "Never", "extra_node_selector": {"pool": "gpu"}, "vulkan_layer_dir": "/opt/v"},
+         namespace="gpus"),
+    # Every part a value takes out, gone.
+    Case("dra-nothing", {"mode": "dra", "vulkanLayerDir": "", "tolerations": [], "resources": {"limits": None}},
+         {"mode": "dra", "vulkan_layer_dir": "", "tolerations": [],
+          "resources": manifests.merged_resources({"limits": None})}),
+    Case("preset", {"preset": "minikube-krunkit", "replicas": 2, "vulkanLayerDir": ""},
+         {"config": manifests.preset_config("minikube-krunkit", 2), "node_selector": False,
+          "vulkan_layer_dir": ""}),
+    Case("config", {"config": SIMULATED, "preset": "", "nodeSelector": {"pool": "gpu"}},
+         {"config": yaml.safe_dump(SIMULATED), "extra_node_selector": {"pool": "gpu"}}),
 ]
 
 
@@ -165,18 +144,48 @@ def _comparable(objs: list[dict[str, Any]], from_chart: bool) -> dict[tuple[str,
 
 
 def test_chart_is_rendered_from_the_generator() -> None:
-    stale = [str(p.relative_to(ROOT)) for p, text in gen_chart.rendered().items()
-             if not p.exists() or p.read_text() != text]
+    files = gen_chart.rendered()
+    stale = [str(p.relative_to(ROOT)) for p, text in files.items() if not p.exists() or p.read_text() != text]
     assert not stale, f"run `make deploy`: {stale}"
+    # Every template is the generator's but the notes: none is written by hand, none left of an object gone.
+    extra = {p.name for p in (CHART / "templates").iterdir()} - {p.name for p in files}
+    assert extra == {"NOTES.txt"}, f"not written by tools/gen_chart.py: {sorted(extra - {'NOTES.txt'})}"
+
+
+def test_make_deploy_removes_the_template_of_an_object_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "NOTES.txt").write_text("hand-written\n")
+    (templates / "gone.yaml").write_text(f"{{{{- /* {gen_chart.NOTE} */}}}}\n")
+    kept = templates / "kept.yaml"
+    monkeypatch.setattr(gen_chart, "CHART", tmp_path)
+    assert gen_chart.stale_templates({kept: ""}) == [templates / "gone.yaml"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_chart_renders_what_manifests_renders(chart: Any, case: Case, tmp_path: Path) -> None:
+def test_helm_renders_what_manifests_renders(chart: Any, case: Case) -> None:
     got = _comparable(objects(render(chart, case.values, case.namespace)), from_chart=True)
-    want = _comparable(case.expected(tmp_path), from_chart=False)
+    want = _comparable(case.expected(), from_chart=False)
     assert sorted(got) == sorted(want)
     for key, obj in want.items():
         assert got[key] == obj, f"{key} differs"
+
+
+def test_the_generator_takes_out_only_what_a_value_takes_out() -> None:
+    full = {"env": [{"name": "A", "value": "@@vulkanLayerDir@@"}, {"name": "B", "value": "1"}], "x": 1, "y": 2}
+    lacking = [(".Values.b", {"env": [{"name": "A", "value": ""}], "x": 1, "y": 2}),
+               (".Values.y", {"env": full["env"], "x": 1})]
+    merged = gen_chart._merge(full, lacking, "test")
+    assert merged == {"env": [{"name": "A", "value": gen_chart.Expr(".Values.vulkanLayerDir | quote")},
+                              gen_chart.Cond((".Values.b",), {"name": "B", "value": "1"})],
+                      "x": 1, "y": gen_chart.Cond((".Values.y",), 2)}
+    # A choice that adds a part, or changes one where no value of the chart stands, is no template's.
+    with pytest.raises(ValueError, match="a value can only take parts out"):
+        gen_chart._merge({"x": 1}, [(".Values.z", {"x": 1, "z": 2})], "test")
+    with pytest.raises(ValueError, match="which no marker stands for"):
+        gen_chart._merge({"x": 1}, [(".Values.z", {"x": 2})], "test")
+    with pytest.raises(ValueError, match="a marker inside"):
+        gen_chart._merge({"x": "a @@image@@"}, [], "test")
 
 
 def test_the_helm_labels_are_only_on_the_objects(chart: Any) -> None:
@@ -361,8 +370,7 @@ def test_the_old_spelling_deviceplugin_renders_plugin_and_says_so(chart: Any) ->
 # -- a chart a Helm user can read ---------------------------------------------------------------------------------
 
 def test_each_template_holds_one_object(chart: Any) -> None:
-    """One object per file, named for its kind, as other device plugins' charts have them; each a Helm template
-    rather than a generated blob."""
+    """One object per file, named for its kind, as other device plugins' charts have them."""
     kinds: dict[str, set[str]] = {}
     for values in ({}, {"mode": "dra"}, {"labelNode": True}):
         for path, text in render(chart, values).items():
@@ -375,9 +383,7 @@ def test_each_template_holds_one_object(chart: Any) -> None:
     assert all(len(each) == 1 for each in kinds.values()), kinds
     for name, each in kinds.items():
         assert name.split("-")[0].removesuffix(".yaml") == each.pop().lower(), name
-    assert len(kinds) == 12
-    for template in (CHART / "templates").iterdir():
-        assert "Rendered by" not in template.read_text(), f"{template.name} is generated"
+    assert len(kinds) == 17
 
 
 def test_chart_version_is_the_packages() -> None:

@@ -1,4 +1,5 @@
-"""Ready-to-apply cluster manifests for both modes; the kustomize bases under deploy/ are rendered from here.
+"""Ready-to-apply cluster manifests for both modes: the one source of the deploy objects. The kustomize bases under
+deploy/base and the Helm chart's templates are rendered from here (`make deploy`).
 
 The containers run as root because the kubelet's sockets and directories belong to root; they drop every
 capability, cannot escalate, and have a read-only root filesystem. Both mount the host's root read-only under
