@@ -1,6 +1,6 @@
 """The Vulkan layer tested in C: `make check` (the layer and a harness built with AddressSanitizer and UBSan, the
 layer installed as an implicit layer, driven through the real loader on lavapipe and on a fake driver whose GPUs,
-heaps and budgets each scenario sets, with a ledger served by gpuppetti.layer.ledger) and `make fuzz` (its parsers of
+heaps and budgets each scenario sets, with a ledger served by gpuppetti.layer.ledgers) and `make fuzz` (its parsers of
 GPUPPETTI_VK_SLICES, GPUPPETTI_VK_COMPUTE and the ledger's answer to HELLO, for a bounded time)."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
  * make check installs the layer as an implicit layer (XDG_DATA_HOME) and says where the drivers are:
  * HARNESS_LAVAPIPE (lavapipe's manifest; empty: its scenarios are skipped), HARNESS_FAKE_ICD (the fake driver's
  * manifest) and HARNESS_FAKE_ICD_LIBRARY (its library), and how to serve a ledger: the daemons' own code
- * (python -m gpuppetti.layer.ledger serve), run by HARNESS_LEDGER_PYTHON with HARNESS_LEDGER_PATH as its PYTHONPATH,
+ * (python -m gpuppetti.layer.ledgers serve), run by HARNESS_LEDGER_PYTHON with HARNESS_LEDGER_PATH as its PYTHONPATH,
  * one ledger per scenario that has one. A scenario reads the ledger's figures as any process of the allocation
  * can: through the shared page of a connection of its own that holds nothing. Exit status: 0 when every scenario
  * passed, 1 otherwise; a scenario that crashes or that a sanitizer stops is a failure.
@@ -950,7 +950,7 @@ static int64_t clock_ns(void)
 static char temporary[] = "/tmp/gpuppetti-harness-XXXXXX";
 static char ledger_dir[sizeof temporary + 16];
 
-/* -- the ledger: the daemon's, served by python -m gpuppetti.layer.ledger for each scenario that has one ---------- */
+/* -- the ledger: the daemon's, served by python -m gpuppetti.layer.ledgers for each scenario that has one ---------- */
 
 /* A socket's address; false where the path does not fit one. */
 static bool socket_address(const char *path, struct sockaddr_un *address)
@@ -1055,10 +1055,10 @@ static pid_t ledger_start(const char *directory, const char *budgets, const char
         if (null >= 0) dup2(null, STDOUT_FILENO);
         const char *python_ = python != NULL && *python != '\0' ? python : "python3";
         if (compute != NULL) {
-            execlp(python_, python_, "-m", "gpuppetti.layer.ledger", "serve", directory, "--budgets", budgets,
+            execlp(python_, python_, "-m", "gpuppetti.layer.ledgers", "serve", directory, "--budgets", budgets,
                    "--compute", compute, (char *)NULL);
         } else {
-            execlp(python_, python_, "-m", "gpuppetti.layer.ledger", "serve", directory, "--budgets", budgets,
+            execlp(python_, python_, "-m", "gpuppetti.layer.ledgers", "serve", directory, "--budgets", budgets,
                    (char *)NULL);
         }
         _exit(127);

@@ -19,19 +19,16 @@ does waits on another: each request is handled as it arrives, on the event loop,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import fcntl
 import logging
 import mmap
 import os
-import signal
 import socket
 import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -389,50 +386,3 @@ class Connection(asyncio.Protocol):
             return False
         self.greeted = True
         return True
-
-
-async def _serve_until_stopped(directory: Path, terms: list[Terms]) -> None:
-    from gpuppetti.layer.ledgers import Ledgers  # the registry is built on this module
-
-    ledgers = Ledgers(directory.parent)
-    await ledgers.open(directory.name, terms)
-    print(f"serving {directory / SOCKET_NAME}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signal_number in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signal_number, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        ledgers.close_all()
-        ledgers.remove(directory.name)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """One allocation's ledger, alone: what the layer's own tests (native/vulkan-layer) and the container tests run
-    against, served as the daemons serve it."""
-    parser = argparse.ArgumentParser(prog="python -m gpuppetti.layer.ledger",
-                                     description="serve one allocation's ledger at DIRECTORY/ledger.sock until "
-                                                 "SIGTERM or SIGINT")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a ledger")
-    serve.add_argument("directory", type=Path, help="the allocation's directory (made where missing)")
-    serve.add_argument("--budgets", required=True, metavar="BYTES[,BYTES...]",
-                       help="each slice's budget, in bytes (0: a whole GPU)")
-    serve.add_argument("--compute", metavar="PERMILLE[,PERMILLE...]", help="each slice's share of its GPU's time")
-    args = parser.parse_args(argv)
-    try:
-        budgets = [int(value) for value in args.budgets.split(",")]
-        compute = [int(value) for value in args.compute.split(",")] if args.compute else [1000] * len(budgets)
-    except ValueError:
-        parser.error("--budgets and --compute take integers, comma-separated")
-    if len(compute) != len(budgets) or any(not 0 <= b <= FIGURE_LIMIT for b in budgets):
-        parser.error("--compute names one share per budget, and each budget is 0 to 2**63 - 1")
-    args.directory.parent.mkdir(parents=True, exist_ok=True)
-    asyncio.run(_serve_until_stopped(args.directory.absolute(),
-                                     [Terms(b, c) for b, c in zip(budgets, compute, strict=True)]))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
