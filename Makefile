@@ -13,7 +13,7 @@ NATIVE_OUT := src/gpuppetti/_native
 NATIVE := $(NATIVE_OUT)/libVkLayer_gpuppetti.so $(NATIVE_OUT)/gpuppetti-vkinfo
 NATIVE_SRC := $(wildcard native/vulkan-layer/*.c native/vulkan-layer/*.h) native/vulkan-layer/Makefile
 
-.PHONY: help demo test unit e2e lint typecheck proto deploy image bench bench-scale clean native dist gpu-check venus
+.PHONY: help demo test unit e2e lint typecheck proto deploy image bench bench-scale bench-compare clean native dist gpu-check venus
 .DEFAULT_GOAL := help
 
 # Plain `make`: what there is to make.
@@ -30,6 +30,7 @@ help:
 	@echo "make deploy      re-render deploy/ from gpuppetti manifests"
 	@echo "make proto       regenerate the gRPC stubs"
 	@echo "make bench       the benchmark suite; make bench-scale: DRA at cluster scale (root)"
+	@echo "make bench-compare REV=<commit>   the daemons' figures for REV and this checkout, in one run"
 	@echo "make venus       the Venus tier (root); make gpu-check: on a host with a real GPU"
 	@echo "make clean       every build output"
 
@@ -173,6 +174,15 @@ gpu-check: $(STAMP) native
 bench: $(STAMP) native
 	$(BIN)/python -m compileall -q src
 	PYTHONPATH=. $(BIN)/python bench/run.py --json bench/results.json
+
+# Before and after in one run: the figures that must not grow, for REV's daemons (exported from git, its layer
+# built) and this checkout's, in interleaved rounds; about 10 minutes, BENCH_COMPARE_ARGS="--rounds 3 --only DRA"
+# for less.
+REV ?=
+bench-compare: $(STAMP) native
+	@test -n "$(REV)" || { echo "make bench-compare REV=<commit>: the commit to compare this checkout against" >&2; exit 2; }
+	$(BIN)/python -m compileall -q src
+	PYTHONPATH=. $(BIN)/python bench/compare.py --against $(REV) --json bench/compare-results.json $(BENCH_COMPARE_ARGS)
 
 # DRA at cluster scale, over the real-node kit (root): 50, 200 and 500 simulated nodes per slicing shape, about
 # 25 minutes; BENCH_SCALE_ARGS="--nodes 50 --shapes whole,partitions" for less.

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel
 from rich.cells import cell_len
 
+from bench.compare import build_parser as compare_bench_parser
 from bench.scale import build_parser as scale_bench_parser
 from gpuppetti.cli.parser import build_parser
 from gpuppetti.core.config import Config, ConfigError, parse_config
@@ -34,9 +35,10 @@ OTHER_TOOLS_FLAGS = {"--driver", "--name", "--namespace", "--for", "--timeout", 
                      "--vm-type", "--root-dir", "--version", "--help", "--overwrite", "--summary", "--json",
                      "--idle-seconds", "--calls", "--only", "--image", "--config", "--grace-period", "--force",
                      "--kube-api-qps", "--kube-api-burst", "--max-requests-inflight",
-                     *(s for action in scale_bench_parser()._actions for s in action.option_strings)}
+                     *(s for parser in (scale_bench_parser(), compare_bench_parser()) for action in parser._actions
+                       for s in action.option_strings)}
 # Files the commands write, named as their output.
-WRITTEN_BY_COMMANDS = {"bench/results.json", "bench/scale-results.json"}
+WRITTEN_BY_COMMANDS = {"bench/results.json", "bench/scale-results.json", "bench/compare-results.json"}
 # Keys the migration guide names because gpuppetti does not have them.
 NOT_OURS = {"sharing.mps", "flags.plugin.deviceListStrategy"}
 REPO_PATH = re.compile(r"(?<![\w/.~-])((?:src|tests|docs|deploy|bench|tools|\.ci)/[\w./-]*)")
