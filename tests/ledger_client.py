@@ -14,6 +14,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from gpuppetti.core.model import ContainerEdits
 from gpuppetti.layer.ledger import (
     ANSWER,
@@ -213,3 +215,15 @@ class ServedLayer:
 
     def stop(self) -> None:
         self.served.stop()
+
+
+async def handed_over(tenant: Process, ledger: Path, new: Any) -> None:
+    """After the old instance stopped: its process ``tenant`` lost its connection, the new instance ``new`` (a
+    Daemon) says it took the ledger over, and a process started now reaches it at the same path."""
+    with pytest.raises((ConnectionError, OSError)):
+        await asyncio.to_thread(tenant.sync)
+    tenant.close()
+    await new.wait_for_log("took over the ledger")
+    later = await asyncio.to_thread(Process, ledger)
+    await asyncio.to_thread(later.sync)
+    later.close()

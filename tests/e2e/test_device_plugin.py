@@ -14,7 +14,7 @@ import pytest
 from gpuppetti._proto.deviceplugin.v1beta1 import api_pb2 as pb
 from gpuppetti.kubelet.emulator import AdmissionError, Container, KubeletEmulator, Pod
 from tests.helpers import TWO_M3_MAX, Daemon
-from tests.ledger_client import Process
+from tests.ledger_client import Process, handed_over
 
 pytestmark = pytest.mark.e2e
 APPLE = "apple.com/gpu"
@@ -343,12 +343,6 @@ async def test_two_instances_take_turns_and_the_new_one_takes_the_old_ones_ledge
     registered = [event.detail for event in kubelet.events if event.kind == "registered"]
     assert registered[-1] == second.socket.name and registered.count(first.socket.name) == 1, registered
     assert kubelet.endpoints[APPLE].connected
-    with pytest.raises((ConnectionError, OSError)):
-        await asyncio.to_thread(tenant.sync)
-    tenant.close()
-    await new.wait_for_log("took over the ledger")
-    later = await asyncio.to_thread(Process, ledger)
-    await asyncio.to_thread(later.sync)
-    later.close()
+    await handed_over(tenant, ledger, new)
     assert not (plugin_dir / f"gpuppetti-apple.com_gpu-{OLD}.sock").exists()
     assert new.running()

@@ -15,7 +15,7 @@ import pytest
 from gpuppetti.core import cdi
 from tests.dra_support import DRIVER, Cluster
 from tests.helpers import TWO_M3_MAX
-from tests.ledger_client import Process
+from tests.ledger_client import Process, handed_over
 from tests.standins.dra_kubelet import ClaimKey, DraPlugin
 
 pytestmark = pytest.mark.e2e
@@ -83,14 +83,7 @@ async def test_two_instances_share_the_node_and_the_new_one_takes_the_ledgers_on
     assert tenant.total() == 1 << 20
 
     assert await old.stop() == 0
-    with pytest.raises((ConnectionError, OSError)):
-        await asyncio.to_thread(tenant.sync)
-    tenant.close()
-    await new.wait_for_log("took over the ledger")
-    # A process started now reaches the new instance's ledger, at the same path the container mounts.
-    later = await asyncio.to_thread(Process, ledger)
-    await asyncio.to_thread(later.sync)
-    later.close()
+    await handed_over(tenant, ledger, new)
     assert not (registry / f"{DRIVER}-{OLD}-reg.sock").exists(), "the old instance removed its own sockets"
     assert (registry / f"{DRIVER}-{NEW}-reg.sock").exists()
     answers = (await cluster.kubelet.unprepare([first, second, third], [DRIVER]))[DRIVER]

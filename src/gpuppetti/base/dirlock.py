@@ -38,6 +38,18 @@ def holder(directory: Path) -> str:
     return "another process"
 
 
+def try_lock(directory: Path) -> int | None:
+    """The directory's flock, taken without waiting: the descriptor that holds it (closing it releases it), or None
+    where another holds it."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class DirectoryLock:
     def __init__(self, directory: Path, what: str) -> None:
         self.directory = directory
@@ -45,21 +57,12 @@ class DirectoryLock:
         # What a wait in progress is for (for /healthz); None when nobody waits.
         self.waiting_for: str | None = None
 
-    def _try(self) -> int | None:
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
-
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
         """Hold the lock for the body. Raises OSError when the directory cannot be opened."""
         delay = FIRST_WAIT_S
         waited = reminded = 0.0
-        while (fd := self._try()) is None:
+        while (fd := try_lock(self.directory)) is None:
             if waited - reminded >= REMIND_S:
                 self.waiting_for = f"another {self.what} ({holder(self.directory)}) holds {self.directory}"
                 log.warning("%s; waiting for it to finish its change (or to stop)", self.waiting_for)

@@ -10,12 +10,11 @@ survives PID reuse and PID namespaces; the holder's PID, from /proc/locks, is on
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
 from pathlib import Path
 
-from gpuppetti.base.dirlock import holder
+from gpuppetti.base.dirlock import holder, try_lock
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +30,7 @@ class InstanceLock:
         self.waiting_for: str | None = None
 
     def try_acquire(self) -> bool:
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        if (fd := try_lock(self.directory)) is None:
             return False
         self._fd = fd
         self.waiting_for = None
