@@ -136,7 +136,10 @@ def test_both_daemonsets_run_from_the_image_one_mode_per_node(
     wait_for("the DRA driver pod Ready (registered, slices published)", lambda: ready_pods(node, "dra"), 120)
     checks = doctor_in_pod(node, "dra")
     assert (checks["kubelet plugin registry"]["status"], checks["kubelet device plugins"]["status"]) == ("ok", "skip")
-    assert "gpu.gpuppetti.dev-reg.sock" in checks["kubelet plugin registry"]["detail"]
+    # Named for the pod, so that a rolling update's next pod registers beside it.
+    [uid] = [p["metadata"]["uid"] for p in node.get(
+        "pods", namespace=NAMESPACE, selector="app.kubernetes.io/component=dra")["items"]]
+    assert f"gpu.gpuppetti.dev-{uid}-reg.sock" in checks["kubelet plugin registry"]["detail"]
     node.apply([{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one"},
                  "spec": {"spec": {"devices": {"requests": [
                      {"name": "gpu", "exactly": {"deviceClassName": "gpu.gpuppetti.dev"}}]}}}},
