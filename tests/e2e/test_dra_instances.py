@@ -9,6 +9,7 @@ import json
 import socket
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 
@@ -117,3 +118,25 @@ async def test_sockets_a_killed_instance_left_go_and_a_live_instances_stay(clust
         assert driver.running()
     finally:
         live.close()
+
+
+async def test_after_a_restart_the_slices_name_their_claims_pods_again(cluster: Cluster) -> None:
+    first = cluster.start_driver(CONSUMABLE, own_process=True)
+    await cluster.kubelet.wait_registered(DRIVER)
+    await cluster.wait_slices(lambda s: len(s) == 1)
+    claim = await _share(cluster, "kept")
+    assert (await cluster.kubelet.prepare([claim]))[DRIVER][claim.uid].error == ""
+    assert await first.stop() == 0
+    second = cluster.start_driver(CONSUMABLE, own_process=True)
+    await cluster.kubelet.wait_registered(DRIVER, count=2)
+    url = await second.http_url()
+
+    async def pods() -> set[str]:
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/slices") as answer:
+            return {row["pod"] for row in await answer.json()}
+
+    # The driver reads the pods of claims it did not prepare itself within PODS_SWEEP_S (5 s).
+    async with asyncio.timeout(20):
+        while (seen := await pods()) != {"kept-pod"}:
+            await asyncio.sleep(0.1)
+    assert seen == {"kept-pod"}

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping, Sequence
 from typing import Protocol
 
+from gpuppetti.base.backoff import Backoff
 from gpuppetti.core.kubeobjects import ResourceClaim
 from gpuppetti.dra.checkpoint import COMPLETED
 from gpuppetti.dra.claimstatus import ClaimStatus
@@ -41,6 +42,8 @@ class ClaimReader(Protocol):
 
 # From this many claims of one namespace in one kubelet call, one LIST of the namespace costs less than a GET each.
 LIST_FROM = 16
+# How often keep_pods looks for prepared claims whose pods this process has not read.
+PODS_SWEEP_S = 5.0
 
 _paused = 0
 
@@ -75,7 +78,9 @@ class GpuDriver:
         self._claims = claims
         # Where the claims' status entries are written from (None: they are not).
         self._status = status
-        # The pods a claim was reserved for when it was read to be prepared (for /metrics; not kept across a restart).
+        # The pods each prepared claim is reserved for (for /metrics and top): read with the claim to prepare it, or
+        # for one prepared before this process started (or by the other instance of a rolling update), by
+        # keep_pods.
         self._pods: dict[str, str] = {}
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Answer]:
@@ -145,8 +150,32 @@ class GpuDriver:
             return PrepareError(str(exc))
         return self._plan(claim, obj, self._inventory.snapshot)
 
+    async def keep_pods(self) -> None:
+        """Duty: read the pods of the prepared claims this process has not read (the checkpoint keeps none), once
+        after each PODS_SWEEP_S, while the API answers: only those claims are asked for, by name."""
+        backoff = Backoff(PODS_SWEEP_S, 300.0)
+        while True:
+            await asyncio.sleep(backoff.next())
+            records = dict(self.store.records)
+            for gone in self._pods.keys() - records.keys():  # unprepared by the other instance
+                del self._pods[gone]
+            unknown = [(uid, record) for uid, record in records.items()
+                       if record.state == COMPLETED and uid not in self._pods]
+            try:
+                for uid, record in unknown:
+                    try:
+                        obj = await self._claims.get_claim(record.namespace, record.name)
+                    except NotFound:
+                        self._pods[uid] = ""
+                        continue
+                    self._pods[uid] = _pods_of(obj) if obj.metadata.uid == uid else ""
+            except ApiError as exc:
+                log.debug("reading the pods of prepared claims: %s; trying again later", exc)
+                continue
+            backoff.reset()
+
     def _plan(self, claim: ClaimRef, obj: ResourceClaim, snapshot: Snapshot) -> Plan | PrepareError:
-        self._pods[claim.uid] = ",".join(sorted(c.name for c in obj.status.reserved_for if c.resource == "pods"))
+        self._pods[claim.uid] = _pods_of(obj)
         try:
             return plan_claim(claim, obj, snapshot, self.node, self.store.kind, self.store.layer)
         except PrepareError as exc:
@@ -185,3 +214,7 @@ class GpuDriver:
                     gpu = devices[name].gpu_id if name in devices else ""
                     found.append(SliceRow(record.namespace, self._pods.get(uid, ""), "", gpu, name, use))
         return found
+
+
+def _pods_of(claim: ResourceClaim) -> str:
+    return ",".join(sorted(c.name for c in claim.status.reserved_for if c.resource == "pods"))

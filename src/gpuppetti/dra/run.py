@@ -2,8 +2,8 @@
 
 Duties: the HTTP endpoint (first), the kit's kubelet plugin (kit.kubeletplugin: the DRA service, the registration
 socket and the slice publisher), the claims' ledgers (and taking over those the driver's other instance served), the
-CDI directory's keeper (which restores the prepared claims at start), the claims' status writer
-(dra.claimstatus), the health monitor, and reloads. Nothing waits for the API server: the driver registers with the
+CDI directory's keeper (which restores the prepared claims at start), the claims' status writer (dra.claimstatus),
+the reader of the pods of claims prepared before this process, the health monitor, and reloads. Nothing waits for the API server: the driver registers with the
 kubelet and serves Unprepare whatever the API does, and the publisher converges once the API is back.
 """
 
@@ -120,6 +120,7 @@ async def start_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> 
 
     runtime.spawn("cdi-specs", store.keep_specs())
     runtime.spawn("claim-status", status.keep())
+    runtime.spawn("claim-pods", gpu_driver.keep_pods())
     for name, duty in monitor.duties():
         runtime.spawn(name, duty)
     runtime.spawn("config-reload", runtime.reloads(lambda: reload(sources, inventory, monitor)))
