@@ -3,8 +3,9 @@
 Duties: the HTTP endpoint (first), the kit's kubelet plugin (kit.kubeletplugin: the DRA service, the registration
 socket and the slice publisher), the claims' ledgers (and taking over those the driver's other instance served), the
 CDI directory's keeper (which restores the prepared claims at start), the claims' status writer (dra.claimstatus),
-the reader of the pods of claims prepared before this process, the health monitor, and reloads. Nothing waits for the API server: the driver registers with the
-kubelet and serves Unprepare whatever the API does, and the publisher converges once the API is back.
+the reader of the pods of claims prepared before this process, the health monitor, and reloads. Nothing waits for
+the API server: the driver registers with the kubelet and serves Unprepare whatever the API does, and the publisher
+converges once the API is back.
 """
 
 from __future__ import annotations
