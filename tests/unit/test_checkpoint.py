@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -22,6 +23,9 @@ from gpuppetti.dra.checkpoint import (
     ClaimRecord,
     UnusableCheckpoint,
     _legacy_checksum,
+    decode,
+    encode,
+    spec_json,
 )
 from gpuppetti.kit.draplugin import PreparedDevice
 
@@ -332,3 +336,16 @@ def test_a_checksum_of_the_first_v1_writers_is_migrated_on_load(tmp_path: Path) 
     rewritten = json.loads(path.read_bytes())
     assert rewritten["checksum"] != document["checksum"], "written again with today's checksum"
     assert Checkpoint(path).load() is None
+
+
+def test_a_record_holds_its_spec_and_devices_compactly() -> None:
+    # Held for every prepared claim: the spec's bytes as they were encoded (not a copy of them), and neither the
+    # record nor its devices tracked by the cyclic collector.
+    spec = spec_json(cdi.encode_spec({"cdiVersion": "0.6.0", "kind": "gpu.gpuppetti.dev/gpu", "devices": []}))
+    device = PreparedDevice(["gpu"], "node1", "gpu-apple-0", ["gpu.gpuppetti.dev/gpu=claim-u1-gpu"])
+    record = ClaimRecord("u1", "default", "c1", COMPLETED, [device], spec, "gpu.gpuppetti.dev-gpu_u1.json")
+    assert record.cdi_spec is spec
+    assert not gc.is_tracked(record) and not gc.is_tracked(device)
+    assert not hasattr(spec, "__dict__")
+    decoded, _ = decode(encode({"u1": record}))
+    assert decoded["u1"] == record and not gc.is_tracked(decoded["u1"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -154,3 +156,19 @@ async def test_an_entry_for_a_device_the_claim_does_not_hold_is_refused_and_not_
         await asyncio.sleep(0.3)
         assert [path for method, path in standin.requests if method == "PATCH"] == patches, "no retry"
     assert _devices(standin, "moved") == {}
+
+
+async def test_a_written_claims_entries_are_not_kept(api: tuple[ApiStandIn, Kube]) -> None:
+    # The duty waits for the next wish once a batch is written, perhaps for the driver's life: a thousand-claim
+    # Prepare's entries must not wait with it.
+    standin, kube = api
+    claim = await _claim(standin, "written")
+    status = ClaimStatus(kube, DRIVER)
+    async with _writing(status):
+        status.prepared(claim, [DeviceStatus(NODE, "gpu-apple-1", SHARE_ID, {"gpu": "sim-apple-1"})])
+        await _until(lambda: DRIVER in _devices(standin, "written"))
+        await _until(lambda: status.pending == 0)
+        wish = weakref.ref(claim)
+        del claim
+        gc.collect()
+        assert wish() is None, "the claim's entries are still held after they were written"

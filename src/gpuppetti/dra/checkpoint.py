@@ -53,6 +53,16 @@ class SpecJson(bytes):
     in the checkpoint and the spec's file are written from these bytes, never from a dict kept beside them. In the
     checkpoint it is the JSON object it is, inserted as it is."""
 
+    # No instance dict: one is held per prepared claim.
+    __slots__ = ()
+
+
+def spec_json(spec: str) -> bytes:
+    """A claim's CDI spec (cdi.encode_spec's text) as its record holds it: encoded straight into SpecJson, since a
+    record given plain bytes holds a copy, and a thousand-claim Prepare would leave the thousand freed originals
+    scattered among the records it keeps."""
+    return SpecJson(spec, "utf-8")
+
 
 if TYPE_CHECKING:
     # What callers give and get: the spec's bytes (a record made from plain bytes holds them as SpecJson).
@@ -61,7 +71,9 @@ else:
     _Spec = SpecJson
 
 
-class ClaimRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# Untracked by the cyclic collector (gc=False), which saves each record its header and the collector a thousand
+# objects to scan: a record holds strings, numbers and containers of them, never itself.
+class ClaimRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     uid: Component
     namespace: str
     name: str
@@ -106,7 +118,7 @@ def _decode_hook(kind: type, value: object) -> object:
         if not isinstance(value, dict):
             raise ValueError("a CDI spec must be an object")
         # Canonical whatever the file's order of keys: the spec's file is written from these bytes.
-        return SpecJson(cdi.encode_spec(value).encode())
+        return spec_json(cdi.encode_spec(value))
     raise NotImplementedError(f"cannot decode {kind.__name__}")
 
 

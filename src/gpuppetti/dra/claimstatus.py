@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpuppetti.base.backoff import Backoff
+from gpuppetti.base.memory import give_back_free_memory
 from gpuppetti.core.kubeobjects import ApiError
 from gpuppetti.dra.plan import DeviceStatus
 from gpuppetti.kit.draplugin import ClaimRef
@@ -101,39 +103,55 @@ class ClaimStatus:
         """Duty: write what is pending, a batch at a time, until stopped; what failed is retried with backoff
         (unless a newer wish for its claim came meanwhile)."""
         backoff = Backoff(0.5, RETRY_MAX_S)
-        limit = asyncio.Semaphore(CONCURRENT_WRITES)
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch = self._writing = self._pending
-            self._pending = {}
-            results = await asyncio.gather(*(self._write(wish, limit) for wish in batch.values()))
-            self._writing = {}
-            failed = [wish for wish, done in zip(batch.values(), results, strict=True) if not done]
-            for wish in failed:
-                self._pending.setdefault(wish.claim.uid, wish)
-            if failed:
+            if not await self._write_batch():
                 await backoff.wait(self._wake)
                 self._wake.set()
             else:
                 backoff.reset()
+                # A batch can be a thousand claims' entries, requests and answers: what writing them took is not
+                # kept for the driver's life.
+                give_back_free_memory()
 
-    async def _write(self, wish: _Wish, limit: asyncio.Semaphore) -> bool:
+    async def _write_batch(self) -> bool:
+        """Write what is pending now, CONCURRENT_WRITES at a time; whether every wish is settled. A wish is let go
+        as soon as it is settled: nothing of a batch outlives its writing, since the duty then waits for the next
+        one (perhaps for the driver's life) and a thousand claims' entries would wait with it."""
+        batch = self._writing = self._pending
+        self._pending = {}
+        queue = deque(batch.values())
+        failed: list[_Wish] = []
+
+        async def writer() -> None:
+            while queue:
+                wish = queue.popleft()
+                if await self._write(wish):
+                    del batch[wish.claim.uid]
+                else:
+                    failed.append(wish)
+
+        await asyncio.gather(*(writer() for _ in range(min(CONCURRENT_WRITES, len(queue)))))
+        self._writing = {}
+        for wish in failed:
+            self._pending.setdefault(wish.claim.uid, wish)
+        return not failed
+
+    async def _write(self, wish: _Wish) -> bool:
         """Whether the wish is settled: written, or the API says it never can be."""
         claim = wish.claim
-        async with limit:
-            try:
-                await self._writer.apply_claim_status(claim.namespace, claim.name, claim.uid, self._driver,
-                                                      wish.devices)
-            except ApiError as exc:
-                if exc.status == 422:
-                    # Refused whole: a device the claim no longer holds, or (as 1.36 reports it) a driver whose RBAC
-                    # lacks resourceclaims/driver: the operator's to see.
-                    log.warning("%s; not retried", exc)
-                    return True
-                if exc.status in FINAL:
-                    log.info("%s: the claim is gone or replaced; not retried", exc)
-                    return True
-                log.warning("%s; retrying", exc)
-                return False
+        try:
+            await self._writer.apply_claim_status(claim.namespace, claim.name, claim.uid, self._driver, wish.devices)
+        except ApiError as exc:
+            if exc.status == 422:
+                # Refused whole: a device the claim no longer holds, or (as 1.36 reports it) a driver whose RBAC
+                # lacks resourceclaims/driver: the operator's to see.
+                log.warning("%s; not retried", exc)
+                return True
+            if exc.status in FINAL:
+                log.info("%s: the claim is gone or replaced; not retried", exc)
+                return True
+            log.warning("%s; retrying", exc)
+            return False
         return True

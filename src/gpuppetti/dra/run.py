@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gpuppetti.base.dirlock import DirectoryLock
 from gpuppetti.base.fsutil import make_directory
+from gpuppetti.base.memory import one_heap
 from gpuppetti.base.nodepaths import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 from gpuppetti.base.runtime import Runtime, StartupError
 from gpuppetti.core.model import Serves
@@ -53,6 +54,9 @@ class DraOptions:
 
 
 async def run_dra(runtime: Runtime, sources: Sources, options: DraOptions) -> None:
+    # Before any thread allocates: the checkpoint and CDI specs are written from threads, and a heap of their own
+    # kept some of a thousand-claim Prepare resident for good.
+    one_heap()
     await runtime.run(lambda runtime: start_dra(runtime, sources, options))
 
 

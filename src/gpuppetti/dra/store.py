@@ -28,7 +28,7 @@ from gpuppetti.base.dirlock import DirectoryLock
 from gpuppetti.base.fsutil import make_directory, remove_file
 from gpuppetti.base.watch import Change, watch_directory
 from gpuppetti.core import cdi
-from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, UnusableCheckpoint
+from gpuppetti.dra.checkpoint import COMPLETED, STARTED, Checkpoint, ClaimRecord, UnusableCheckpoint, spec_json
 from gpuppetti.dra.plan import LAYER_PREFIX, Plan, PrepareError
 from gpuppetti.kit.draplugin import ClaimRef, PreparedDevice, named
 from gpuppetti.layer.ledger import Terms
@@ -311,7 +311,7 @@ class ClaimStore:
             why = f"saving the checkpoint {self.checkpoint.path} failed: {exc.strerror or exc}; nothing was prepared"
             return dict.fromkeys(planned, PrepareError(why)), {}
         # Each spec is encoded once: its file and its checkpoint record hold the same bytes.
-        specs = {uid: cdi.encode_spec(plan.spec).encode() for uid, (_, plan) in planned.items()}
+        specs = {uid: spec_json(cdi.encode_spec(plan.spec)) for uid, (_, plan) in planned.items()}
         listeners: Listeners = {}
         failed = self._write(planned, specs, listeners)
         answers: dict[str, Answer] = {}

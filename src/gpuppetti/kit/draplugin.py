@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -59,8 +60,8 @@ def named(claims: Sequence[ClaimRef], shown: int = 5) -> str:
 
 # A Struct: compact (a driver holds these for every prepared claim, and a node may hold a thousand), and encoded
 # and decoded whole where a driver records them (the DRA driver's checkpoint, which takes a field it does not know
-# for damage).
-class PreparedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# for damage). Untracked by the cyclic collector (gc=False): it holds strings and lists of them, never itself.
+class PreparedDevice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """One device of a prepared claim, as the kubelet is told it."""
 
     request_names: list[str]
@@ -95,7 +96,9 @@ def claim_problem(claim: ClaimRef) -> str | None:
 
 
 def _claims(request: Any) -> list[ClaimRef]:
-    return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+    # A driver keeps these strings for every prepared claim (its records), and a node's claims are in few
+    # namespaces: one string per namespace, not one per claim.
+    return [ClaimRef(sys.intern(c.namespace), c.uid, c.name) for c in request.claims]
 
 
 def _malformed(claims: Sequence[ClaimRef]) -> str | None:
