@@ -25,14 +25,14 @@ from gpuppetti.base.sockets import SOCKET_PATH_MAX, listening
 
 log = logging.getLogger(__name__)
 
-# What names an instance in a socket another one may remove: a pod's UID, or the digest that stands for a long one.
-# Another plugin's socket that merely starts with our stem is never taken for one of ours.
 # At a stop, how long an instance serves on while no other instance of it serves (a rolling update's next one is
 # starting: without one, the kubelet fails what it asks for meanwhile), how often it looks, and the kubelet's time
 # to take the next one's registration once its socket is there.
 HANDOVER_WAIT_S = 5.0
 HANDOVER_POLL_S = 0.1
 HANDOVER_GRACE_S = 0.5
+# What names an instance in a socket another one may remove: a pod's UID, or the digest that stands for a long one.
+# Another plugin's socket that merely starts with our stem is never taken for one of ours.
 _INSTANCE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{16}")
 
 
